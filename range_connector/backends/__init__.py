@@ -1,0 +1,1 @@
+"""Storage tiers behind one protocol (see :mod:`range_connector.backends.base`)."""

@@ -1,0 +1,123 @@
+"""Everything that depends on the installed vLLM version or platform, in one place.
+
+The rest of the package imports vLLM names only from here (or lazily, inside functions that run in vLLM
+processes), so that version probing is not sprinkled through the logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from range_connector.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: The vLLM release this package is written and tested against.
+PINNED_VLLM_VERSION = "0.32.0"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """The single KV-cache group the connector serves.
+
+    Attributes:
+        layer_names: attention layers in model order.
+        block_size: tokens per engine block.
+        page_size_bytes: bytes of one block of one layer.
+        spec_fields: the spec's fields that change KV bytes (for the namespace).
+        is_mla: whether the group is multi-head latent attention (one latent row per token).
+    """
+
+    layer_names: tuple[str, ...]
+    block_size: int
+    page_size_bytes: int
+    spec_fields: tuple[tuple[str, str], ...]
+    is_mla: bool
+
+
+def attention_group(kv_cache_config: KVCacheConfig) -> AttentionGroup:
+    """Describe the one full-attention KV-cache group of the engine.
+
+    Raises:
+        ConfigError: the model has several KV-cache groups (hybrid or sliding-window models), which this version
+            of the connector does not serve.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "is_eagle_group", False)]
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+        raise ConfigError("kv_connector", f"RangeConnector serves one full-attention KV-cache group, got {kinds}")
+    spec = groups[0].kv_cache_spec
+    fields = (
+        ("spec", type(spec).__name__),
+        ("block_size", str(spec.block_size)),
+        ("num_kv_heads", str(spec.num_kv_heads)),
+        ("head_size", str(spec.head_size)),
+        ("head_size_v", str(getattr(spec, "head_size_v", ""))),
+        ("dtype", str(spec.dtype)),
+        ("kv_quant_mode", str(getattr(spec, "kv_quant_mode", ""))),
+        ("cache_dtype_str", str(getattr(spec, "cache_dtype_str", ""))),
+        ("page_size_bytes", str(spec.page_size_bytes)),
+    )
+    return AttentionGroup(
+        layer_names=tuple(groups[0].layer_names),
+        block_size=spec.block_size,
+        page_size_bytes=spec.page_size_bytes,
+        spec_fields=fields,
+        is_mla=isinstance(spec, MLAAttentionSpec),
+    )
+
+
+def kv_packing(vllm_config: VllmConfig, group: AttentionGroup) -> str:
+    """Name the byte packing of KV inside a block on this platform.
+
+    On CPU, dense attention packs K and V by instruction set (AMX tiles, or plain ``[C, N]``/``[N, C]``), so KV
+    saved on one kind of machine is garbage on another; MLA rows are plain ``[latent | rope]``. On GPUs the layout
+    is the platform's own.
+
+    Returns:
+        e.g. ``"cpu-amx"``, ``"cpu-vec"``, ``"cpu-mla"``, ``"cuda"``.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return f"{current_platform.device_type}-{vllm_config.cache_config.cache_dtype}"
+    if group.is_mla:
+        return "cpu-mla"
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    dtype = dict(group.spec_fields)["dtype"].replace("torch.", "")
+    head_size = int(dict(group.spec_fields)["head_size"])
+    isa = _get_attn_isa(getattr(torch, dtype), group.block_size, head_size, vllm_config.cache_config.cache_dtype)
+    return f"cpu-{isa}"
+
+
+def model_identity(vllm_config: VllmConfig) -> dict[str, Any]:
+    """What identifies the model's weights and token ids (for the namespace)."""
+    mc = vllm_config.model_config
+    return {
+        "model": str(mc.model),
+        "revision": str(getattr(mc, "revision", None)),
+        "tokenizer": str(getattr(mc, "tokenizer", None)),
+        "tokenizer_revision": str(getattr(mc, "tokenizer_revision", None)),
+        "dtype": str(mc.dtype),
+        "quantization": str(getattr(mc, "quantization", None)),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "tp": vllm_config.parallel_config.tensor_parallel_size,
+        "pp": vllm_config.parallel_config.pipeline_parallel_size,
+    }
+
+
+def tp_rank() -> int:
+    """Tensor-parallel rank of this worker (0 outside a worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError, ImportError):
+        return 0

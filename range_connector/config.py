@@ -1,0 +1,186 @@
+"""Frozen configuration parsed once from ``kv_connector_extra_config``.
+
+Every key, its unit and its default is listed in :data:`CONFIG_KEYS` (the README's table is generated from the same
+text). Unknown keys and bad values raise :class:`~range_connector.errors.ConfigError` naming the key, at start-up,
+in every vLLM process that builds a connector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from range_connector.errors import ConfigError
+
+BACKEND_NAMES = ("valkey", "memory")
+
+#: key -> (unit, default shown to users, description). Order is the README's order.
+CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
+    "backend": ("-", '"valkey"', 'Storage tier: "valkey" (one server per shard) or "memory" (in-process DRAM).'),
+    "valkey_urls": (
+        "-",
+        "[] (embedded servers)",
+        "One `valkey://host:port` URL per shard. Empty: embedded servers are started and shared through "
+        "`runtime_dir`.",
+    ),
+    "num_shards": ("shards", "len(valkey_urls) or 1", "Number of disjoint slices of every chunk, one backend each."),
+    "chunk_tokens": (
+        "tokens",
+        "256 rounded up to block_size x num_shards",
+        "Reuse granularity; a multiple of the engine block size and of block_size x num_shards.",
+    ),
+    "runtime_dir": (
+        "path",
+        "$RANGE_CONNECTOR_RUNTIME_DIR or $XDG_RUNTIME_DIR/range-connector-UID",
+        "Where embedded Valkey servers are recorded (servers.json) and keep their data and logs.",
+    ),
+    "backend_timeout_s": ("s", "5.0", "Deadline of every single backend call (socket timeout)."),
+    "load_deadline_s": ("s", "30.0", "Deadline of one step's loads; past it the blocks are recomputed."),
+    "start_timeout_s": ("s", "10.0", "How long start-up waits for a backend server to answer."),
+    "verify_checksums": ("-", "true", "Verify each loaded value's checksum before it reaches attention."),
+    "memory_capacity_bytes": ("bytes", "1073741824", 'Byte budget of the "memory" backend.'),
+    "namespace_salt": (
+        "-",
+        '""',
+        "Extra text mixed into the namespace (model revision, adapter, anything that changes KV bytes and "
+        "that vLLM's config does not show).",
+    ),
+}
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class RangeConfig:
+    """User configuration of the connector (immutable).
+
+    Attributes mirror :data:`CONFIG_KEYS`; ``chunk_tokens`` is ``None`` until :meth:`resolve` fills it from the
+    engine block size.
+    """
+
+    backend: str = "valkey"
+    valkey_urls: tuple[str, ...] = ()
+    num_shards: int = 1
+    chunk_tokens: int | None = None
+    runtime_dir: str | None = None
+    backend_timeout_s: float = 5.0
+    load_deadline_s: float = 30.0
+    start_timeout_s: float = 10.0
+    verify_checksums: bool = True
+    memory_capacity_bytes: int = 1 << 30
+    namespace_salt: str = ""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> RangeConfig:
+        """Parse ``kv_connector_extra_config``.
+
+        Args:
+            extra: the user's mapping (JSON-decoded by vLLM).
+
+        Returns:
+            The frozen config, with ``chunk_tokens`` possibly still ``None``.
+
+        Raises:
+            ConfigError: an unknown key, a value of the wrong type, or a value out of range; the message names the
+                key.
+        """
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(CONFIG_KEYS))
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown key (known keys: {', '.join(CONFIG_KEYS)})")
+        values: dict[str, Any] = {}
+        if "backend" in extra:
+            backend = extra["backend"]
+            if backend not in BACKEND_NAMES:
+                raise ConfigError("backend", f"{backend!r} is not one of {', '.join(BACKEND_NAMES)}")
+            values["backend"] = backend
+        if "valkey_urls" in extra:
+            urls = extra["valkey_urls"]
+            if isinstance(urls, str):
+                urls = [urls]
+            if not isinstance(urls, (list, tuple)) or not all(isinstance(u, str) for u in urls):
+                raise ConfigError("valkey_urls", f"{urls!r} is not a list of URL strings")
+            for url in urls:
+                if not url.startswith(("valkey://", "redis://", "unix://")):
+                    raise ConfigError("valkey_urls", f"{url!r} is not a valkey://host:port URL")
+            values["valkey_urls"] = tuple(urls)
+        for key in ("num_shards", "chunk_tokens", "memory_capacity_bytes"):
+            if key in extra:
+                values[key] = _positive_int(key, extra[key], allow_zero=key == "memory_capacity_bytes")
+        for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s"):
+            if key in extra:
+                values[key] = _positive_float(key, extra[key])
+        if "verify_checksums" in extra:
+            if not isinstance(extra["verify_checksums"], bool):
+                raise ConfigError("verify_checksums", f"{extra['verify_checksums']!r} is not true or false")
+            values["verify_checksums"] = extra["verify_checksums"]
+        for key in ("runtime_dir", "namespace_salt"):
+            if key in extra:
+                if not isinstance(extra[key], str):
+                    raise ConfigError(key, f"{extra[key]!r} is not a string")
+                values[key] = extra[key]
+        urls = values.get("valkey_urls", ())
+        if urls:
+            if "num_shards" in values and values["num_shards"] != len(urls):
+                raise ConfigError(
+                    "num_shards", f"{values['num_shards']} does not match the {len(urls)} entries of valkey_urls"
+                )
+            values["num_shards"] = len(urls)
+        return cls(**values)
+
+    def resolve(self, block_size: int) -> RangeConfig:
+        """Fill engine-dependent defaults and check the config against the engine block size.
+
+        Args:
+            block_size: vLLM's KV-cache block size in tokens.
+
+        Returns:
+            A config whose ``chunk_tokens`` is set.
+
+        Raises:
+            ConfigError: ``chunk_tokens`` is not a multiple of ``block_size`` x ``num_shards`` (a chunk must be
+                whole engine blocks, split evenly over the shards).
+        """
+        unit = block_size * self.num_shards
+        if self.chunk_tokens is None:
+            return dataclasses.replace(self, chunk_tokens=max(1, math.ceil(DEFAULT_CHUNK_TOKENS / unit)) * unit)
+        if self.chunk_tokens % block_size:
+            raise ConfigError(
+                "chunk_tokens", f"{self.chunk_tokens} is not a multiple of the engine block size {block_size}"
+            )
+        if self.chunk_tokens % unit:
+            raise ConfigError(
+                "chunk_tokens",
+                f"{self.chunk_tokens} is not a multiple of block_size x num_shards = {block_size} x "
+                f"{self.num_shards}: each shard holds whole blocks of every chunk",
+            )
+        return self
+
+    @property
+    def resolved_runtime_dir(self) -> str:
+        """``runtime_dir`` or its default (see :func:`range_connector.valkey_servers.default_runtime_dir`)."""
+        if self.runtime_dir:
+            return os.path.expanduser(self.runtime_dir)
+        from range_connector.valkey_servers import default_runtime_dir
+
+        return str(default_runtime_dir())
+
+
+def _positive_int(key: str, value: Any, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"{value!r} is not an integer")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"{value} must be {'>= 0' if allow_zero else '> 0'}")
+    return value
+
+
+def _positive_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(key, f"{value!r} is not a number of seconds")
+    if value <= 0:
+        raise ConfigError(key, f"{value} must be > 0")
+    return float(value)

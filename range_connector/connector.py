@@ -1,0 +1,146 @@
+"""``RangeConnector``: vLLM's KV-connector facade. It builds the scheduler or the worker half by role and every
+hook is one delegating line (the halves are :class:`~range_connector.scheduler.RangeScheduler` and
+:class:`~range_connector.worker.RangeWorker`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from range_connector import compat
+from range_connector.config import RangeConfig
+from range_connector.metadata import RangeConnectorMetadata, RangeWorkerMetadata
+from range_connector.metrics import RangeConnectorStats, stats_delta
+from range_connector.namespace import FORMAT_VERSION, SHARD_RULE, namespace_fingerprint
+from range_connector.scheduler import RangeScheduler
+from range_connector.tiers import open_shard_backends
+from range_connector.worker import RangeWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm." + __name__)
+
+
+def build_namespace(vllm_config: VllmConfig, config: RangeConfig, group: compat.AttentionGroup) -> tuple[bytes, dict]:
+    """Fingerprint of everything that changes KV bytes for this deployment (see namespace.py)."""
+    fields = {
+        "format_version": FORMAT_VERSION,
+        "model": compat.model_identity(vllm_config),
+        "kv_spec": dict(group.spec_fields),
+        "num_layers": len(group.layer_names),
+        "packing": compat.kv_packing(vllm_config, group),
+        "block_size": group.block_size,
+        "chunk_tokens": config.chunk_tokens,
+        "num_shards": config.num_shards,
+        "shard_rule": SHARD_RULE,
+        "salt": config.namespace_salt,
+    }
+    return namespace_fingerprint(fields), fields
+
+
+class RangeConnector(KVConnectorBase_V1):
+    """Loads a prompt's cached KV from Range's tiers instead of recomputing it.
+
+    Enabled with ``--kv-transfer-config '{"kv_connector": "RangeConnector", "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'`` (keys: README / config.py).
+
+    Raises:
+        ConfigError: at construction, for bad config or a backend that does not answer (the message names the key).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        group = compat.attention_group(kv_cache_config)
+        config = RangeConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config).resolve(
+            group.block_size)
+        self.range_config = config
+        self.namespace, self.namespace_fields = build_namespace(vllm_config, config, group)
+        role_name = self._kv_transfer_config.kv_role
+        self._scheduler: RangeScheduler | None = None
+        self._worker: RangeWorker | None = None
+        self._last_stats: dict[str, int] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            backends = open_shard_backends(config) if config.backend != "memory" else None
+            self._scheduler = RangeScheduler(
+                config, self.namespace, group.block_size, backends,
+                can_load=role_name in ("kv_both", "kv_consumer"), can_save=role_name in ("kv_both", "kv_producer"))
+        else:
+            self._worker = RangeWorker(config, group.block_size, group.layer_names, kv_cache_config.num_blocks,
+                                       open_shard_backends(config), tp_rank=compat.tp_rank())
+        logger.info("RangeConnector %s: backend=%s shards=%d chunk_tokens=%d namespace=%s", role.name,
+                    config.backend, config.num_shards, config.chunk_tokens, self.namespace.hex())
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker.start_load(self._bound_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # saves read the registered KV cache in wait_for_save, after every layer ran
+
+    def wait_for_save(self) -> None:
+        self._worker.save(self._bound_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_block_ids()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.build_worker_meta()
+
+    def get_kv_connector_stats(self) -> RangeConnectorStats | None:
+        half = self._worker if self._worker is not None else self._scheduler
+        delta = stats_delta(dict(half.stats), self._last_stats)
+        return RangeConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RangeConnectorStats:
+        return RangeConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    def _bound_metadata(self) -> RangeConnectorMetadata:
+        meta = self._connector_metadata
+        if not isinstance(meta, RangeConnectorMetadata):
+            return RangeConnectorMetadata()
+        return meta
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._scheduler.update_connector_output(meta if isinstance(meta, RangeWorkerMetadata) else None)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)

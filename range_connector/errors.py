@@ -1,0 +1,39 @@
+"""Typed exceptions of the Range connector.
+
+Every error names what went wrong in terms a user can act on: the config key, the tier and shard, the key and
+the byte range. Failures while serving never escape to vLLM as exceptions from a hook: the worker turns them into
+load errors (vLLM recomputes) and the scheduler into misses.
+"""
+
+from __future__ import annotations
+
+
+class RangeError(Exception):
+    """Base class of every error raised by the Range connector."""
+
+
+class ConfigError(RangeError, ValueError):
+    """A value in ``kv_connector_extra_config`` (or derived from vLLM's config) is unusable.
+
+    The message starts with the offending key, e.g. ``chunk_tokens: 100 is not a multiple of block_size 128``.
+    """
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class BackendError(RangeError):
+    """A storage tier failed (connection refused, protocol error, bad reply)."""
+
+
+class BackendTimeoutError(BackendError, TimeoutError):
+    """A storage tier did not answer within its deadline."""
+
+
+class ServerStartError(BackendError):
+    """An embedded Valkey server could not be started or did not answer in time."""
+
+
+class IntegrityError(RangeError):
+    """Bytes read from a tier do not match what was saved (size, header or checksum mismatch)."""

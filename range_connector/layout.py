@@ -1,0 +1,107 @@
+"""The registered KV tensors, seen as rows of bytes: one row per (layer, plane, block).
+
+vLLM hands the worker one tensor per attention layer. Whatever the platform's inner packing (CPU dense attention
+tiles K and V by instruction set; MLA rows are ``[latent 512 | rope 64]``), a whole block of one layer is a fixed
+number of bytes that can be copied as-is between machines of the same packing (the packing is in the namespace).
+Shapes handled:
+
+* ``[num_blocks, ...]`` contiguous per block (CPU dense ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
+  MLA ``[num_blocks, (1,) block_size, 576]``): one plane.
+* ``[2, num_blocks, ...]`` (K and V planes, as on CUDA flash-attention layouts): two planes.
+
+Rows are viewed as ``int64`` when the row size allows: scattering int64 rows measured ~5x faster than uint8 rows
+on this CPU (NOTES-vllm-cpu.md, "Copy costs").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from range_connector.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Byte layout of the registered KV cache.
+
+    Attributes:
+        layer_names: attention layers in model order.
+        num_blocks: engine blocks per layer tensor.
+        num_planes: planes per layer (1, or 2 for separate K and V planes).
+        row_bytes: bytes of one (layer, plane, block) row.
+        row_dtype: element type of the row views (``torch.int64`` or ``torch.uint8``).
+    """
+
+    layer_names: tuple[str, ...]
+    num_blocks: int
+    num_planes: int
+    row_bytes: int
+    row_dtype: torch.dtype
+
+    @property
+    def num_row_groups(self) -> int:
+        """``num_layers * num_planes``: rows per block."""
+        return len(self.layer_names) * self.num_planes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers and planes."""
+        return self.num_row_groups * self.row_bytes
+
+    @property
+    def row_elems(self) -> int:
+        """Elements of ``row_dtype`` per row."""
+        return self.row_bytes // torch.empty((), dtype=self.row_dtype).element_size()
+
+
+def _planes(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    if tensor.shape[0] == num_blocks and tensor.is_contiguous():
+        return [tensor.reshape(num_blocks, -1)]
+    if tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+        planes = [tensor[0], tensor[1]]
+        if all(p.is_contiguous() for p in planes):
+            return [p.reshape(num_blocks, -1) for p in planes]
+    raise ConfigError(
+        "kv_caches", f"layer {name}: unsupported KV tensor shape {tuple(tensor.shape)} strides {tensor.stride()}"
+    )
+
+
+def block_rows(
+    kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
+) -> tuple[KVLayout, list[torch.Tensor]]:
+    """View the registered KV tensors as rows.
+
+    Args:
+        kv_caches: ``{layer_name: tensor}`` as given to ``register_kv_caches``.
+        layer_names: the attention layers to serve, in model order.
+        num_blocks: engine blocks per layer (``KVCacheConfig.num_blocks``).
+
+    Returns:
+        The layout and ``num_layers * num_planes`` views, each ``[num_blocks, row_elems]`` sharing storage with
+        the KV cache, ordered layer-major then plane.
+
+    Raises:
+        ConfigError: a layer is missing, has an unsupported shape, or rows differ in size between layers.
+    """
+    views: list[torch.Tensor] = []
+    num_planes = None
+    for name in layer_names:
+        if name not in kv_caches:
+            raise ConfigError("kv_caches", f"layer {name} was not registered by vLLM")
+        planes = _planes(name, kv_caches[name], num_blocks)
+        if num_planes is None:
+            num_planes = len(planes)
+        byte_rows = [p.view(torch.uint8) if p.dtype != torch.uint8 else p for p in planes]
+        views.extend(byte_rows)
+    row_bytes = {v.shape[1] for v in views}
+    if len(row_bytes) != 1 or num_planes is None:
+        raise ConfigError("kv_caches", f"layers have different block sizes in bytes: {sorted(row_bytes)}")
+    (rb,) = row_bytes
+    row_dtype = torch.int64 if rb % 8 == 0 else torch.uint8
+    if row_dtype is torch.int64:
+        views = [v.view(torch.int64) for v in views]
+    layout = KVLayout(tuple(layer_names), num_blocks, num_planes, rb, row_dtype)
+    return layout, views

@@ -1,0 +1,72 @@
+"""Small dataclasses that cross the scheduler/worker process boundary (no tensors).
+
+Scheduler -> worker: :class:`RangeConnectorMetadata` (what to load into which blocks, what to save from which
+blocks). Worker -> scheduler: :class:`RangeWorkerMetadata` (saves that completed, values that proved missing or
+corrupt, values the worker's DRAM tier evicted), aggregated across workers by vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from range_connector.namespace import ChunkHash
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTransfer:
+    """One chunk of one request to load or save.
+
+    Attributes:
+        chunk_idx: position of the chunk in the request's chain.
+        chunk_hash: its prefix hash.
+        block_positions: positions (within the chunk, ``0 <= p < blocks_per_chunk``) of the blocks to move.
+        block_ids: engine block ids, one per position.
+    """
+
+    chunk_idx: int
+    chunk_hash: ChunkHash
+    block_positions: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTransfer:
+    """All chunks of one request to load (or save) in this step.
+
+    Attributes:
+        req_id: vLLM's request id.
+        chunks: chunk transfers in chain order.
+        num_tokens: tokens covered (for loads: the promised external tokens).
+    """
+
+    req_id: str
+    chunks: tuple[ChunkTransfer, ...]
+    num_tokens: int
+
+
+@dataclass
+class RangeConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker metadata of one engine step."""
+
+    loads: list[RequestTransfer] = field(default_factory=list)
+    saves: list[RequestTransfer] = field(default_factory=list)
+
+
+@dataclass
+class RangeWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler metadata of one engine step.
+
+    Attributes:
+        saved: chunk hashes whose every shard was written by this worker.
+        dropped: chunk hashes found missing or corrupt on load, or evicted from a worker's DRAM tier.
+    """
+
+    saved: list[ChunkHash] = field(default_factory=list)
+    dropped: list[ChunkHash] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, RangeWorkerMetadata):
+            raise TypeError(f"cannot aggregate RangeWorkerMetadata with {type(other).__name__}")
+        return RangeWorkerMetadata(saved=self.saved + other.saved, dropped=self.dropped + other.dropped)

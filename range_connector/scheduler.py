@@ -1,0 +1,242 @@
+"""Scheduler side: lookup by prefix hash chain, hit rounding, and the per-step load/save plan.
+
+Runs in vLLM's engine-core process (no tensors). ``get_num_new_matched_tokens`` may be called several times for one
+request, so it only records the latest lookup; the load is planned once vLLM commits to it in
+``update_state_after_alloc``. Saves cover the new full chunks of each prompt once their tokens are computed.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from range_connector.backends.base import Backend
+from range_connector.config import RangeConfig
+from range_connector.errors import BackendError
+from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
+from range_connector.namespace import ChunkHash, prefix_hash_chain, request_salt
+from range_connector.sharding import ShardPlan
+from range_connector.tiers import value_key
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm." + __name__)
+
+
+def hit_tokens(num_stored_chunks: int, chunk_tokens: int, num_prompt_tokens: int, block_size: int) -> int:
+    """Tokens the connector can promise for a prompt.
+
+    The stored prefix is cut so that at least one prompt token is left to compute (vLLM needs one to produce
+    logits), then rounded down to whole engine blocks (loads write whole blocks only).
+
+    Args:
+        num_stored_chunks: leading chunks present on every shard.
+        chunk_tokens: tokens per chunk.
+        num_prompt_tokens: prompt length in tokens.
+        block_size: engine block size in tokens.
+
+    Returns:
+        A multiple of ``block_size`` in ``[0, num_prompt_tokens - 1]``.
+    """
+    cap = max(0, num_prompt_tokens - 1)
+    return min(num_stored_chunks * chunk_tokens, cap) // block_size * block_size
+
+
+@dataclass
+class _RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    chunk_hashes: list[ChunkHash]
+    block_ids: list[int] = field(default_factory=list)
+    num_saved_chunks: int = 0  # chunks [0, num_saved_chunks) are stored or scheduled for saving
+
+
+@dataclass
+class _Lookup:
+    chunk_hashes: list[ChunkHash]
+    num_stored_chunks: int
+    num_computed_tokens: int
+    num_hit_tokens: int
+
+
+class RangeScheduler:
+    """Scheduler half of the connector.
+
+    Args:
+        config: resolved config (``chunk_tokens`` set).
+        namespace: the namespace fingerprint.
+        block_size: engine block size in tokens.
+        lookup_backends: ``[num_shards]`` backends to ask for stored prefixes, or ``None`` when the tier's index
+            lives here (the in-process DRAM tier, whose bytes are in the worker).
+        can_load: the role loads (``kv_both``/``kv_consumer``).
+        can_save: the role saves (``kv_both``/``kv_producer``).
+    """
+
+    def __init__(self, config: RangeConfig, namespace: bytes, block_size: int,
+                 lookup_backends: list[Backend] | None, *, can_load: bool, can_save: bool) -> None:
+        assert config.chunk_tokens is not None
+        self.config = config
+        self.namespace = namespace
+        self.block_size = block_size
+        self.chunk_tokens = config.chunk_tokens
+        self.plan = ShardPlan(self.chunk_tokens // block_size, config.num_shards)
+        self.lookup_backends = lookup_backends
+        self.can_load = can_load
+        self.can_save = can_save
+        self._index: dict[ChunkHash, None] = {}  # the DRAM tier's index (insertion order ~ LRU)
+        self._lookups: dict[str, _Lookup] = {}
+        self._loads: list[RequestTransfer] = []
+        self._requests: dict[str, _RequestState] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
+        self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "promised_tokens": 0}
+
+    # ---------------------------------------------------------------- lookup
+    def _chain(self, request: Request) -> list[ChunkHash]:
+        lora = request.lora_request.lora_name if getattr(request, "lora_request", None) else None
+        media = [f.identifier for f in (getattr(request, "mm_features", None) or [])]
+        salt = request_salt(lora, getattr(request, "cache_salt", None), media)
+        return prefix_hash_chain(self.namespace, salt, request.prompt_token_ids or [], self.chunk_tokens)
+
+    def num_stored_chunks(self, chunk_hashes: list[ChunkHash]) -> int:
+        """Leading chunks present on every shard: the minimum over shards of each shard's stored prefix.
+
+        A backend error counts as a miss (0), never an exception.
+        """
+        if not chunk_hashes:
+            return 0
+        if self.lookup_backends is None:
+            n = 0
+            for h in chunk_hashes:
+                if h not in self._index:
+                    break
+                n += 1
+            return n
+
+        def one(shard_idx: int) -> int:
+            keys = [value_key(h, shard_idx) for h in chunk_hashes]
+            return self.lookup_backends[shard_idx].lookup_prefix(keys)
+
+        try:
+            if len(self.lookup_backends) == 1:
+                return one(0)
+            return min(self._pool.map(one, range(len(self.lookup_backends))))
+        except BackendError as exc:
+            self.stats["lookup_errors"] += 1
+            logger.warning("Range lookup failed, treating as a miss: %s", exc)
+            return 0
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """See ``KVConnectorBase_V1.get_num_new_matched_tokens``; side-effect free apart from caching the lookup."""
+        if not self.can_load:
+            return 0, False
+        hashes = self._chain(request)
+        stored = self.num_stored_chunks(hashes)
+        hit = hit_tokens(stored, self.chunk_tokens, len(request.prompt_token_ids or []), self.block_size)
+        self.stats["lookups"] += 1
+        self._lookups[request.request_id] = _Lookup(hashes, stored, num_computed_tokens, hit)
+        return max(0, hit - num_computed_tokens), False
+
+    # ---------------------------------------------------------------- commit
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Plan the load that vLLM committed to (``num_external_tokens`` tokens after the local hit)."""
+        lookup = self._lookups.pop(request.request_id, None)
+        state = self._requests.get(request.request_id)
+        if state is None:
+            hashes = lookup.chunk_hashes if lookup else self._chain(request)
+            state = _RequestState(request.request_id, list(request.prompt_token_ids or []), hashes)
+            self._requests[request.request_id] = state
+        if lookup is not None and self.can_save:
+            # Chunks already stored are not saved again.
+            state.num_saved_chunks = max(state.num_saved_chunks, lookup.num_stored_chunks)
+        if num_external_tokens <= 0 or lookup is None:
+            return
+        first_token = lookup.num_computed_tokens
+        last_token = first_token + num_external_tokens
+        if last_token > lookup.num_hit_tokens:
+            logger.warning("Range: vLLM asked for %d external tokens of request %s, more than the %d promised",
+                           num_external_tokens, request.request_id, lookup.num_hit_tokens)
+            return
+        bpc = self.plan.blocks_per_chunk
+        chunks = []
+        first_block, end_block = first_token // self.block_size, last_token // self.block_size
+        for chunk_idx in range(first_block // bpc, (end_block + bpc - 1) // bpc):
+            positions = [p for p in range(bpc) if first_block <= chunk_idx * bpc + p < end_block]
+            chunks.append(ChunkTransfer(chunk_idx, state.chunk_hashes[chunk_idx], tuple(positions),
+                                        tuple(block_ids[chunk_idx * bpc + p] for p in positions)))
+        self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens))
+        self.stats["promised_tokens"] += num_external_tokens
+
+    # ---------------------------------------------------------------- per step
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RangeConnectorMetadata:
+        """Collect this step's loads and the saves of chunks whose tokens are computed by the end of the step."""
+        meta = RangeConnectorMetadata(loads=self._loads)
+        self._loads = []
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+            self._lookups.pop(req_id, None)
+        progress: list[tuple[_RequestState, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            progress.append((state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            progress.append((state, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]))
+        if self.can_save:
+            for state, computed in progress:
+                save = self._plan_save(state, computed)
+                if save is not None:
+                    meta.saves.append(save)
+        return meta
+
+    def _plan_save(self, state: _RequestState, num_computed_tokens: int) -> RequestTransfer | None:
+        bpc = self.plan.blocks_per_chunk
+        num_full = min(num_computed_tokens, len(state.prompt_token_ids)) // self.chunk_tokens
+        num_full = min(num_full, len(state.chunk_hashes), len(state.block_ids) // bpc)
+        if num_full <= state.num_saved_chunks:
+            return None
+        chunks = tuple(
+            ChunkTransfer(c, state.chunk_hashes[c], tuple(range(bpc)), tuple(state.block_ids[c * bpc:(c + 1) * bpc]))
+            for c in range(state.num_saved_chunks, num_full)
+            if self.lookup_backends is not None or state.chunk_hashes[c] not in self._index
+        )
+        state.num_saved_chunks = num_full
+        if not chunks:
+            return None
+        return RequestTransfer(state.req_id, chunks, len(chunks) * self.chunk_tokens)
+
+    def update_connector_output(self, worker_meta: RangeWorkerMetadata | None) -> None:
+        """Learn completed saves and dropped values (the DRAM tier's index lives here)."""
+        if worker_meta is None:
+            return
+        for h in worker_meta.saved:
+            self._index.pop(h, None)
+            self._index[h] = None
+        for h in worker_meta.dropped:
+            self._index.pop(h, None)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; saves are synchronous within a step, so the blocks can be freed now."""
+        self._requests.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    def close(self) -> None:
+        """Release lookup connections and threads."""
+        self._pool.shutdown(wait=False)
+        for b in self.lookup_backends or []:
+            b.close()

@@ -1,0 +1,61 @@
+"""Open the configured tier: one backend per shard, and the key of every stored value."""
+
+from __future__ import annotations
+
+import logging
+
+from range_connector.backends.base import Backend
+from range_connector.backends.memory import MemoryBackend
+from range_connector.config import RangeConfig
+from range_connector.errors import BackendError, ConfigError
+from range_connector.namespace import ChunkHash
+
+logger = logging.getLogger("vllm." + __name__)
+
+
+def value_key(chunk_hash: ChunkHash, shard_idx: int, tp_rank: int = 0) -> bytes:
+    """Key of one shard's slice of one chunk (written by tensor-parallel rank ``tp_rank``)."""
+    return b"rc1:%s:s%d:t%d" % (chunk_hash.hex().encode(), shard_idx, tp_rank)
+
+
+def resolve_valkey_urls(config: RangeConfig) -> list[str]:
+    """The configured URLs, or those of embedded servers (started if needed, shared through ``runtime_dir``).
+
+    Raises:
+        ConfigError: embedded servers cannot be started (names ``runtime_dir``).
+    """
+    if config.valkey_urls:
+        return list(config.valkey_urls)
+    from pathlib import Path
+
+    from range_connector.valkey_servers import ensure_servers
+
+    try:
+        return ensure_servers(config.num_shards, Path(config.resolved_runtime_dir),
+                              start_timeout_s=config.start_timeout_s)
+    except BackendError as exc:
+        raise ConfigError("runtime_dir", f"cannot start embedded Valkey servers: {exc}") from exc
+
+
+def open_shard_backends(config: RangeConfig) -> list[Backend]:
+    """Open one backend per shard.
+
+    Returns:
+        ``[num_shards]`` backends; for ``backend = "memory"`` the same in-process instance for every shard.
+
+    Raises:
+        ConfigError: a server does not answer at start-up (names ``valkey_urls`` and the URL).
+    """
+    if config.backend == "memory":
+        return [MemoryBackend(config.memory_capacity_bytes)] * config.num_shards
+    from range_connector.backends.valkey import ValkeyBackend
+
+    backends: list[Backend] = []
+    for url in resolve_valkey_urls(config):
+        try:
+            backends.append(ValkeyBackend(url, timeout_s=config.backend_timeout_s))
+        except BackendError as exc:
+            for b in backends:
+                b.close()
+            raise ConfigError("valkey_urls", str(exc)) from exc
+    return backends
