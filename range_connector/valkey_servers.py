@@ -369,6 +369,39 @@ def _write_records(runtime_dir: Path, num_shards: int, records: Sequence[_Server
 # Starting
 
 
+class _Detached:
+    """A started server that is not our child (double-forked): polled and killed by pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _pid_running(self.pid):
+            self.returncode = 1
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+
+
+def _pid_running(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
 @dataclass(slots=True)
 class _Launch:
     """A server process started by this call, not yet answering."""
@@ -376,7 +409,7 @@ class _Launch:
     shard_idx: int
     attempt: int
     port: int
-    process: subprocess.Popen[bytes]
+    process: _Detached
     log_path: Path
     log_offset_bytes: int
     data_dir: Path
@@ -455,16 +488,21 @@ def _launch(
     with open(log_path, "ab") as log_file:
         log_offset_bytes = log_file.tell()
         try:
-            process = subprocess.Popen(
-                command,
+            # Double fork through sh: the server is re-parented away from this process, so engines that kill
+            # their whole process tree on shutdown (vLLM does, with psutil) leave it running.
+            launcher = subprocess.Popen(
+                ["/bin/sh", "-c", '"$@" </dev/null >>"$RC_LOG" 2>&1 & echo $!', "sh", *command],
                 stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
                 cwd=str(data_dir),
+                env={**os.environ, "RC_LOG": str(log_path)},
                 close_fds=True,  # the lock's fd must not leak into a process that outlives us
                 start_new_session=True,  # not killed with our process group (Ctrl-C, job control)
             )
-        except OSError as exc:
+            out, _ = launcher.communicate(timeout=start_timeout_s)
+            process = _Detached(int(out.decode().strip()))
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
             raise ServerStartError(f"cannot run {binary} for shard {shard_idx} on port {port}: {exc}") from exc
     launch = _Launch(
         shard_idx=shard_idx,

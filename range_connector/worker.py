@@ -58,6 +58,9 @@ class RangeWorker:
         self._failed_block_ids: set[int] = set()
         self._saved: list[ChunkHash] = []
         self._dropped: list[ChunkHash] = []
+        #: block ids written by the last step that loaded anything, in chain order (for inspection and tests).
+        self.last_loaded_block_ids: list[int] = []
+        self.last_loaded_keys: list[bytes] = []
         self.stats: dict[str, int] = defaultdict(int)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -84,6 +87,8 @@ class RangeWorker:
         if not meta.loads or self.layout is None:
             return
         deadline = time.monotonic() + self.config.load_deadline_s
+        self.last_loaded_block_ids = []
+        self.last_loaded_keys = []
         for req in meta.loads:
             self._load_request(req, deadline)
 
@@ -105,6 +110,7 @@ class RangeWorker:
                 self.stats["load_backend_errors"] += 1
                 continue
             values.update(zip(keys, got))
+            self.last_loaded_keys.extend(k for k, v in zip(keys, got) if v is not None)
         if time.monotonic() > deadline:
             logger.warning("Range load of request %s passed its %.1f s deadline", req.req_id,
                            self.config.load_deadline_s)
@@ -146,6 +152,7 @@ class RangeWorker:
             index = torch.tensor(dst_ids, dtype=torch.long)
             for g, rows in enumerate(self._rows):
                 rows.index_copy_(0, index, src[g])
+            self.last_loaded_block_ids.extend(dst_ids)
             self.stats["loaded_blocks"] += len(dst_ids)
             self.stats["loaded_tokens"] += len(dst_ids) * self.block_size
             self.stats["loaded_bytes"] += len(dst_ids) * layout.block_bytes

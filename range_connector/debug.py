@@ -1,0 +1,76 @@
+"""Inspection helpers that run inside a vLLM worker (through ``LLM.collective_rpc``).
+
+They read the engine's own KV-cache tensors (``static_forward_context[layer].kv_cache``), not the connector's
+views or checksums, so tests can compare what attention will read with what a run without the connector computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from blake3 import blake3
+
+
+def _layer_caches(worker: Any) -> list[tuple[str, torch.Tensor]]:
+    runner = worker.model_runner
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    group = runner.kv_cache_config.kv_cache_groups[0]
+    out = []
+    for name in group.layer_names:
+        kv = ctx[name].kv_cache
+        if isinstance(kv, (list, tuple)):
+            kv = kv[0]
+        out.append((name, kv))
+    return out
+
+
+def _block_bytes_views(worker: Any) -> list[torch.Tensor]:
+    num_blocks = worker.model_runner.kv_cache_config.num_blocks
+    views = []
+    for _name, kv in _layer_caches(worker):
+        if kv.shape[0] == num_blocks:
+            views.append(kv.reshape(num_blocks, -1).view(torch.uint8))
+        else:  # [2, num_blocks, ...]
+            views.append(torch.cat([kv[0].reshape(num_blocks, -1), kv[1].reshape(num_blocks, -1)], 1).view(torch.uint8))
+    return views
+
+
+def engine_block_digests(worker: Any, block_ids: list[int] | None = None) -> dict[int, str]:
+    """BLAKE3 digest of each block across all attention layers, read from the engine's KV cache.
+
+    Args:
+        worker: the vLLM worker (``collective_rpc`` passes it).
+        block_ids: blocks to digest; ``None`` digests every block that is not all zeros.
+
+    Returns:
+        ``{block_id: hex digest}``.
+    """
+    views = _block_bytes_views(worker)
+    if block_ids is None:
+        nonzero = torch.zeros(views[0].shape[0], dtype=torch.bool)
+        for v in views:
+            nonzero |= v.view(v.shape[0], -1).ne(0).any(dim=1)
+        block_ids = [int(i) for i in torch.nonzero(nonzero).flatten().tolist()]
+    out = {}
+    for b in block_ids:
+        h = blake3()
+        for v in views:
+            h.update(v[b].numpy().tobytes())
+        out[int(b)] = h.hexdigest()
+    return out
+
+
+def connector_last_loaded_block_ids(worker: Any) -> list[int]:
+    """Block ids the Range worker wrote in its last loading step (chain order)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    return list(connector._worker.last_loaded_block_ids)
+
+
+def connector_last_loaded_keys(worker: Any) -> list[str]:
+    """Keys of the values the Range worker read in its last loading step."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return [k.decode() for k in get_kv_transfer_group()._worker.last_loaded_keys]

