@@ -105,8 +105,7 @@ class RangeConfig:
             if not isinstance(urls, (list, tuple)) or not all(isinstance(u, str) for u in urls):
                 raise ConfigError("valkey_urls", f"{urls!r} is not a list of URL strings")
             for url in urls:
-                if not url.startswith(("valkey://", "redis://", "unix://")):
-                    raise ConfigError("valkey_urls", f"{url!r} is not a valkey://host:port URL")
+                _check_url(url)
             values["valkey_urls"] = tuple(urls)
         for key in ("num_shards", "chunk_tokens", "memory_capacity_bytes"):
             if key in extra:
@@ -168,6 +167,25 @@ class RangeConfig:
         from range_connector.valkey_servers import default_runtime_dir
 
         return str(default_runtime_dir())
+
+
+def _check_url(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    bad = ConfigError("valkey_urls", f"{url!r} is not a valkey://host:port URL")
+    parts = urlsplit(url)
+    if parts.scheme not in ("valkey", "redis", "unix"):
+        raise bad
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise bad
+        return
+    try:
+        port = parts.port
+    except ValueError:
+        raise bad from None
+    if not parts.hostname or (port is not None and not 0 < port < 65536):
+        raise bad
 
 
 def _positive_int(key: str, value: Any, *, allow_zero: bool = False) -> int:

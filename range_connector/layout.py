@@ -58,12 +58,14 @@ class KVLayout:
 
 
 def _planes(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
-    if tensor.shape[0] == num_blocks and tensor.is_contiguous():
-        return [tensor.reshape(num_blocks, -1)]
-    if tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+    two_planes = tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks
+    # [2, num_blocks, block_size, heads, head] is the only 5-D layout; prefer it when num_blocks == 2 is ambiguous.
+    if two_planes and (tensor.dim() == 5 or tensor.shape[0] != num_blocks):
         planes = [tensor[0], tensor[1]]
         if all(p.is_contiguous() for p in planes):
             return [p.reshape(num_blocks, -1) for p in planes]
+    if tensor.shape[0] == num_blocks and tensor.is_contiguous():
+        return [tensor.reshape(num_blocks, -1)]
     raise ConfigError(
         "kv_caches", f"layer {name}: unsupported KV tensor shape {tuple(tensor.shape)} strides {tensor.stride()}"
     )

@@ -24,7 +24,7 @@ class ShardPlan:
     num_shards: int
 
     def __post_init__(self) -> None:
-        if self.num_shards < 1 or self.blocks_per_chunk % self.num_shards:
+        if self.num_shards < 1 or self.blocks_per_chunk < 1 or self.blocks_per_chunk % self.num_shards:
             raise ValueError(
                 f"blocks_per_chunk {self.blocks_per_chunk} is not a positive multiple of num_shards "
                 f"{self.num_shards}"

@@ -7,7 +7,9 @@ Each call is one pipeline (one round trip) with a socket deadline; connection er
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import valkey
 import valkey.exceptions as vex
@@ -34,9 +36,13 @@ class ValkeyBackend(Backend):
 
     def __init__(self, url: str, timeout_s: float = 5.0) -> None:
         self.url = url
-        self._client = valkey.Valkey.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=0
-        )
+        self.timeout_s = timeout_s
+        try:
+            self._client = valkey.Valkey.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=0
+            )
+        except ValueError as exc:
+            raise BackendError(f"{url}: not a usable Valkey URL ({exc})") from exc
         try:
             self._client.ping()
             limits = self._client.config_get("proto-max-bulk-len")
@@ -48,10 +54,29 @@ class ValkeyBackend(Backend):
         super().__init__(url, max_bulk)
 
     def _run(self, commands: int, fill) -> list:
+        """Execute one pipeline within ``timeout_s`` for the whole call.
+
+        The socket timeout bounds each read; a server that trickles its reply byte by byte would pass it, so the
+        pipeline runs in a helper thread and the caller stops waiting at the deadline. The connections are then
+        dropped (the late reply can never be read by a later call) and the helper thread ends with an error that
+        nobody waits for.
+        """
         pipe = self._client.pipeline(transaction=False)
         fill(pipe)
+        done: Future[list] = Future()
+
+        def execute() -> None:
+            try:
+                done.set_result(pipe.execute(raise_on_error=True))
+            except BaseException as exc:  # handed to the caller through the future
+                done.set_exception(exc)
+
+        threading.Thread(target=execute, name="range-valkey-call", daemon=True).start()
         try:
-            out = pipe.execute(raise_on_error=True)
+            out = done.result(timeout=self.timeout_s)
+        except TimeoutError as exc:
+            self._client.connection_pool.disconnect()
+            raise BackendTimeoutError(f"{self.url}: no complete answer within {self.timeout_s:g} s") from exc
         except vex.TimeoutError as exc:
             raise BackendTimeoutError(f"{self.url}: no answer within the deadline ({exc})") from exc
         except (vex.ValkeyError, OSError) as exc:
@@ -72,7 +97,8 @@ class ValkeyBackend(Backend):
         if not items:
             return
         self._check_sizes(items)
-        self._run(len(items), lambda p: [p.set(k, memoryview(v)) for k, v in items])
+        views = [(k, _byte_view(v)) for k, v in items]
+        self._run(len(items), lambda p: [p.set(k, v) for k, v in views])
         self._count(bytes_written=sum(memoryview(v).nbytes for _, v in items))
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -93,3 +119,15 @@ class ValkeyBackend(Backend):
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
+
+
+def _byte_view(value: Buffer) -> memoryview:
+    """A flat byte view of a contiguous buffer (valkey-py takes ``len()`` of a memoryview as its byte length).
+
+    Raises:
+        ValueError: the buffer is not contiguous.
+    """
+    view = memoryview(value)
+    if not view.contiguous:
+        raise ValueError("Valkey values must be contiguous buffers")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view

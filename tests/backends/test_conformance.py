@@ -412,12 +412,6 @@ class TestValkeyBackend(BackendConformance):
             admin.config_set("proto-max-bulk-len", original)
             admin.close()
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="bug: ValkeyBackend.put_many sends memoryview(v) without .cast('B'); valkey-py writes len(view) "
-        "(elements of the first dimension, not bytes) as the bulk length, so an int64 or 2-D buffer is a "
-        "protocol error (or a truncated value)",
-    )
     @pytest.mark.timeout(10)
     def test_put_accepts_any_contiguous_buffer(self, backend: Backend) -> None:
         super().test_put_accepts_any_contiguous_buffer(backend)
@@ -488,11 +482,6 @@ class TestValkeyBackend(BackendConformance):
         assert b.lookup_prefix([b"a"]) == 1
         b.close()
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="bug: timeout_s is only a per-read socket timeout, not a deadline of the call: a server that keeps "
-        "answering slowly (a byte at a time) holds get_many far past timeout_s",
-    )
     @pytest.mark.timeout(20)
     def test_trickling_server_raises_timeout_within_the_deadline(self) -> None:
         # C21: one key answers after a very long delay. Each byte arrives within the socket timeout, so only a

@@ -145,11 +145,6 @@ def test_num_shards_not_matching_valkey_urls_is_an_error() -> None:
     assert "3" in str(error) and "2" in str(error)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: valkey_urls is only checked for its scheme prefix; a URL whose port is not a port passes "
-    "the config and later makes ValkeyBackend raise a bare ValueError from valkey-py's URL parser",
-)
 @pytest.mark.parametrize("url", ["valkey://127.0.0.1:notaport", "valkey://127.0.0.1:99999"])
 def test_valkey_url_with_a_bad_port_is_an_error(url: str) -> None:
     _raises_naming("valkey_urls", {"valkey_urls": [url]})

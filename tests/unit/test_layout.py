@@ -169,11 +169,6 @@ def test_layers_with_different_row_sizes_raise_config_error() -> None:
         block_rows(caches, ["l0", "l1"], NUM_BLOCKS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _planes tries the one-plane reading first, so a two-plane [2, num_blocks, ...] tensor with "
-    "num_blocks == 2 is read as one plane whose 'rows' are whole K and V planes",
-)
 def test_two_plane_layout_with_two_blocks() -> None:
     heads, head = 2, 8
     caches = {"a": _filled((2, 2, BLOCK_SIZE, heads, head))}

@@ -53,11 +53,6 @@ def test_bad_plans_raise(blocks_per_chunk: int, num_shards: int) -> None:
         ShardPlan(blocks_per_chunk, num_shards)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: ShardPlan accepts blocks_per_chunk <= 0 (0 % S == 0 and -S % S == 0), although its own error "
-    "message requires a positive multiple",
-)
 @pytest.mark.parametrize(("blocks_per_chunk", "num_shards"), [(0, 1), (0, 4), (-4, 2)])
 def test_plans_without_blocks_raise(blocks_per_chunk: int, num_shards: int) -> None:
     with pytest.raises(ValueError):
