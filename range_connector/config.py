@@ -35,14 +35,20 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
     ),
     "runtime_dir": (
         "path",
-        "$RANGE_CONNECTOR_RUNTIME_DIR or $XDG_RUNTIME_DIR/range-connector-UID",
+        "$RANGE_CONNECTOR_RUNTIME_DIR, else ($XDG_RUNTIME_DIR or /tmp)/range-connector-UID",
         "Where embedded Valkey servers are recorded (servers.json) and keep their data and logs.",
     ),
-    "backend_timeout_s": ("s", "5.0", "Deadline of every single backend call (socket timeout)."),
+    "backend_timeout_s": ("s", "5.0", "Deadline of every single backend call (the whole call, not one socket read)."),
     "load_deadline_s": ("s", "30.0", "Deadline of one step's loads; past it the blocks are recomputed."),
     "start_timeout_s": ("s", "10.0", "How long start-up waits for a backend server to answer."),
     "verify_checksums": ("-", "true", "Verify each loaded value's checksum before it reaches attention."),
-    "memory_capacity_bytes": ("bytes", "1073741824", 'Byte budget of the "memory" backend.'),
+    "memory_capacity_bytes": ("bytes", "1073741824", 'Byte budget of the "memory" backend (per worker).'),
+    "backend_retry_s": (
+        "s",
+        "10.0",
+        "After a backend call fails, the tier counts as down for this long: lookups miss and saves are skipped "
+        "without waiting, then it is tried again.",
+    ),
     "namespace_salt": (
         "-",
         '""',
@@ -72,6 +78,7 @@ class RangeConfig:
     start_timeout_s: float = 10.0
     verify_checksums: bool = True
     memory_capacity_bytes: int = 1 << 30
+    backend_retry_s: float = 10.0
     namespace_salt: str = ""
 
     @classmethod
@@ -110,7 +117,7 @@ class RangeConfig:
         for key in ("num_shards", "chunk_tokens", "memory_capacity_bytes"):
             if key in extra:
                 values[key] = _positive_int(key, extra[key], allow_zero=key == "memory_capacity_bytes")
-        for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s"):
+        for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key])
         if "verify_checksums" in extra:

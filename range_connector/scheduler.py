@@ -8,6 +8,7 @@ request, so it only records the latest lookup; the load is planned once vLLM com
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,8 +92,9 @@ class RangeScheduler:
         self._lookups: dict[str, _Lookup] = {}
         self._loads: list[RequestTransfer] = []
         self._requests: dict[str, _RequestState] = {}
+        self._lookup_down_until = 0.0  # monotonic time before which lookups are misses (a shard just failed)
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
-        self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "promised_tokens": 0}
+        self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0}
 
     # ---------------------------------------------------------------- lookup
     def _chain(self, request: Request) -> list[ChunkHash]:
@@ -104,7 +106,8 @@ class RangeScheduler:
     def num_stored_chunks(self, chunk_hashes: list[ChunkHash]) -> int:
         """Leading chunks present on every shard: the minimum over shards of each shard's stored prefix.
 
-        A backend error counts as a miss (0), never an exception.
+        A backend error counts as a miss (0), never an exception; after one, lookups are misses without asking for
+        ``backend_retry_s`` seconds, so a dead or frozen shard costs the scheduler one timeout, not one per request.
         """
         if not chunk_hashes:
             return 0
@@ -120,13 +123,17 @@ class RangeScheduler:
             keys = [value_key(h, shard_idx) for h in chunk_hashes]
             return self.lookup_backends[shard_idx].lookup_prefix(keys)
 
+        if time.monotonic() < self._lookup_down_until:
+            self.stats["lookups_skipped"] += 1
+            return 0
         try:
             if len(self.lookup_backends) == 1:
                 return one(0)
             return min(self._pool.map(one, range(len(self.lookup_backends))))
         except BackendError as exc:
             self.stats["lookup_errors"] += 1
-            logger.warning("Range lookup failed, treating as a miss: %s", exc)
+            self._lookup_down_until = time.monotonic() + self.config.backend_retry_s
+            logger.warning("Range lookup failed; lookups are misses for %.1f s: %s", self.config.backend_retry_s, exc)
             return 0
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -56,6 +56,7 @@ class RangeWorker:
         self.layout: KVLayout | None = None
         self._rows: list[torch.Tensor] = []
         self._failed_block_ids: set[int] = set()
+        self._save_down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
         self._saved: list[ChunkHash] = []
         self._dropped: list[ChunkHash] = []
         #: block ids written by the last step that loaded anything, in chain order (for inspection and tests).
@@ -199,12 +200,18 @@ class RangeWorker:
                     items[s].append((value_key(chunk.chunk_hash, s, self.tp_rank), value))
             ok = True
             for s, shard_items in items.items():
+                if time.monotonic() < self._save_down_until[s]:
+                    ok = False
+                    self.stats["saves_skipped"] += 1
+                    continue
                 try:
                     self.backends[s].put_many(shard_items)
                 except (BackendError, ValueError) as exc:
                     ok = False
                     logger.warning("Range save of request %s failed: %s", req.req_id, exc)
                     self.stats["save_errors"] += 1
+                    if isinstance(exc, BackendError):
+                        self._save_down_until[s] = time.monotonic() + self.config.backend_retry_s
             if ok:
                 self._saved.extend(c.chunk_hash for c in req.chunks)
                 self.stats["saved_chunks"] += len(req.chunks)

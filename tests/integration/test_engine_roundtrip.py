@@ -77,10 +77,16 @@ def scenario(request, tmp_path_factory):
             {"op": "reset_prefix_cache"},
             {"op": "generate", "prompts": [x]}, {"op": "last_loads"},
         ]})
+        # C26: same model and store, FP8 KV instead of bf16 (CPU supports it with AVX-512/AMX): a different namespace.
+        fp8 = None
+        if kind == "gqa":
+            fp8 = run_engine(tmp, "fp8", {"model": str(model), "connector": connector,
+                                          "engine_args": {"kv_cache_dtype": "fp8"},
+                                          "steps": [{"op": "generate", "prompts": [x]}]})
     finally:
         stop_servers(runtime_dir)
     return {"kind": kind, "x": x, "a": a, "b": b, "batch": batch, "ref": ref, "prod": prod, "cons": cons,
-            "ver": ver}
+            "ver": ver, "fp8": fp8}
 
 
 def _ref_digests(s) -> set[str]:
@@ -179,3 +185,10 @@ def test_case_C08_concurrent_loads_are_byte_exact(scenario):
     assert cons[3]["token_ids"] == ref[3]["token_ids"]
     assert len(cons[4]["digests"]) * BLOCK == expected
     assert set(cons[4]["digests"]) <= _ref_digests(scenario)
+
+
+def test_case_C26_fp8_kv_engine_misses_bf16_entries(scenario):
+    if scenario["fp8"] is None:
+        pytest.skip("the FP8-KV run is made once, with the GQA model")
+    assert scenario["cons"][0]["external_hits"] == 512  # the bf16 entries are there ...
+    assert scenario["fp8"][0]["external_hits"] == 0  # ... and an FP8-KV engine does not see them
