@@ -32,6 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from range_connector.plugin import CONNECTOR_NAME  # the name the plugin registers (``kv_connector``)
+
 __all__ = [
     "CONNECTOR_NAME",
     "CompletionResult",
@@ -46,14 +48,14 @@ __all__ = [
     "wait_for_metric",
 ]
 
-CONNECTOR_NAME = "RangeConnector"
-"""Name under which the plugin registers the connector (``kv_connector`` in the transfer config)."""
 
 _LOOPBACK_HOST = "127.0.0.1"
 _HEALTH_POLL_INTERVAL_S = 0.5
 _HEALTH_REQUEST_TIMEOUT_S = 2.0
 _LOG_TAIL_LINES = 40
 _STOP_POLL_INTERVAL_S = 0.1
+_STOP_GRACE_READY_S = 30.0
+_STOP_GRACE_STARTING_S = 5.0
 
 
 class ServerError(RuntimeError):
@@ -199,6 +201,7 @@ class ServerProcess:
         self.python = python or sys.executable
         self.process: subprocess.Popen[bytes] | None = None
         self.started_at_s: float | None = None  # time.monotonic() at start
+        self.ready = False  # set once /health answered 200
 
     # ------------------------------------------------------------------------------------------------ properties
     @property
@@ -301,6 +304,7 @@ class ServerProcess:
                 try:
                     if client.get(f"{self.base_url}/health").status_code == 200:
                         assert self.started_at_s is not None
+                        self.ready = True
                         return time.monotonic() - self.started_at_s
                 except httpx.HTTPError:
                     pass
@@ -327,14 +331,16 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, timeout_s: float = 30.0) -> int | None:
+    def stop(self, timeout_s: float | None = None) -> int | None:
         """Stop the server and every process of its group; idempotent.
 
         Sends SIGTERM to the process group, waits up to ``timeout_s`` for the whole group to exit, then sends
         SIGKILL to whatever is left and waits again (5 s).
 
         Args:
-            timeout_s: Grace period after SIGTERM, in seconds.
+            timeout_s: Grace period after SIGTERM, in seconds. Default: 30 s for a server that answered
+                ``/health``, 5 s for one still starting (vLLM's API server ignores SIGTERM until its engine is up;
+                the engine processes themselves exit on the SIGTERM at once).
 
         Returns:
             The API server's exit status (``None`` if never started).
@@ -344,13 +350,17 @@ class ServerProcess:
         """
         if self.process is None:
             return None
+        if timeout_s is None:
+            timeout_s = _STOP_GRACE_READY_S if self.ready else _STOP_GRACE_STARTING_S
         pgid = self.process.pid
         if self.process.poll() is None or process_group_pids(pgid):
             self._signal_group(pgid, signal.SIGTERM)
             if not self._wait_group_gone(pgid, timeout_s):
                 self._signal_group(pgid, signal.SIGKILL)
                 if not self._wait_group_gone(pgid, 5.0):
-                    raise ServerError(f"processes {process_group_pids(pgid)} of vLLM server group {pgid} survived SIGKILL")
+                    raise ServerError(
+                        f"processes {process_group_pids(pgid)} of vLLM server group {pgid} survived SIGKILL"
+                    )
         self._wait_zombies_reaped(pgid, 2.0)
         return self.process.wait()
 

@@ -90,7 +90,7 @@ _SPECS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("mla", "tiny"): {
         **_MLA_COMMON, "num_hidden_layers": 4, "first_k_dense_replace": 4,
-        "num_attention_heads": 1, "num_key_value_heads": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
     },
     ("mla", "bench"): {
         **_MLA_COMMON, "num_hidden_layers": 32, "first_k_dense_replace": 32,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -29,6 +30,13 @@ from range_connector.tiers import value_key
 from range_connector.values import decode_value, encode_value
 
 logger = logging.getLogger("vllm." + __name__)
+
+
+def _as_rows(payload: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """View a read-only payload as a tensor without copying (it is only read: ``torch.cat`` copies it out)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(payload).view(dtype)
 
 
 class RangeWorker:
@@ -145,7 +153,7 @@ class RangeWorker:
                 break
             for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
                 s, slot = self.plan.shard_of_block(pos)
-                rows = torch.from_numpy(shard_payloads[s]).view(layout.row_dtype).view(groups, bps, -1)
+                rows = _as_rows(shard_payloads[s], layout.row_dtype).view(groups, bps, -1)
                 src_parts.append(rows[:, slot:slot + 1])
                 dst_ids.append(block_id)
         if src_parts:

@@ -8,7 +8,8 @@ SPEC.json OUT.json``. Steps:
 * ``{"op": "last_loads"}`` -> block ids the connector wrote in its last loading step, with their digests read from
   the engine's KV cache;
 * ``{"op": "block_digests"}`` -> digests of every non-zero block of the engine's KV cache;
-* ``{"op": "digests", "block_ids": [...]}``; ``{"op": "reset_prefix_cache"}``;
+* ``{"op": "digests", "block_ids": [...]}``; ``{"op": "reset_prefix_cache"}``; ``{"op": "sleep", "seconds": s}``;
+* ``{"op": "signal_servers", "runtime_dir": d, "signal": "STOP" | "CONT" | "KILL"}`` (embedded Valkey servers);
 * ``{"op": "corrupt", "url": valkey URL, "byte_offset": n}`` -> flips one payload byte of the first value the
   connector read in its last loading step (the first block of that value changes).
 """
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
@@ -52,6 +55,7 @@ def main(spec_path: str, out_path: str) -> None:
     for step in spec["steps"]:
         op = step["op"]
         if op == "generate":
+            t0 = time.monotonic()
             hits0 = _counter(llm, "vllm:external_prefix_cache_hits")
             queries0 = _counter(llm, "vllm:external_prefix_cache_queries")
             outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]],
@@ -61,6 +65,7 @@ def main(spec_path: str, out_path: str) -> None:
                 "token_ids": [list(o.outputs[0].token_ids) for o in outs],
                 "external_hits": _counter(llm, "vllm:external_prefix_cache_hits") - hits0,
                 "external_queries": _counter(llm, "vllm:external_prefix_cache_queries") - queries0,
+                "elapsed_s": time.monotonic() - t0,
             })
         elif op == "last_loads":
             ids = llm.collective_rpc(debug.connector_last_loaded_block_ids)[0]
@@ -82,6 +87,15 @@ def main(spec_path: str, out_path: str) -> None:
             value[offset] ^= 0xFF
             client.set(key, bytes(value))
             results.append({"key": key.decode(), "offset": offset})
+        elif op == "signal_servers":
+            from range_connector.valkey_servers import server_status
+
+            for server in server_status(step["runtime_dir"]):
+                os.kill(server.pid, getattr(signal, "SIG" + step["signal"]))
+            results.append({"ok": True})
+        elif op == "sleep":
+            time.sleep(step["seconds"])
+            results.append({"ok": True})
         else:
             raise ValueError(f"unknown op {op!r}")
     with open(out_path, "w") as f:
