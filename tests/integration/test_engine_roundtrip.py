@@ -27,12 +27,27 @@ from tests.integration.harness import prompt_ids, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
 
-BLOCK = 128
 CHUNK = 256
+# Engine block size: vLLM-CPU forces 16 for MLA (and turns its own prefix caching off there); 128 for GQA.
+BLOCK_SIZES = {"gqa": 128, "mla": 16}
 
 
-def expected_hit(num_prompt_tokens: int, stored_tokens: int) -> int:
-    return min(stored_tokens, num_prompt_tokens - 1) // BLOCK * BLOCK
+def expected_hit(num_prompt_tokens: int, stored_tokens: int, block: int) -> int:
+    return min(stored_tokens, num_prompt_tokens - 1) // block * block
+
+
+def assert_same_greedy(kind: str, got: list[list[int]], want: list[list[int]]) -> None:
+    """Greedy tokens of a run that loaded a prefix against a run that computed it.
+
+    GQA: identical. MLA: vLLM-CPU computes a prompt whose prefix is already in the cache through a different attention
+    path (the context is up-projected and merged by log-sum-exp, instead of one SDPA over the whole prompt), so with
+    random weights the continuation drifts after several tokens even though the loaded blocks are byte-identical
+    (checked separately). The first token must still match: wrong KV changes it at once.
+    """
+    if kind == "gqa":
+        assert got == want
+    else:
+        assert [g[:1] for g in got] == [w[:1] for w in want]
 
 
 @pytest.fixture(scope="module", params=["gqa", "mla"])
@@ -47,13 +62,15 @@ def scenario(request, tmp_path_factory):
     batch = [prompt_ids(model, 300 + 70 * i, offset_chars=9_000 * (i + 1)) for i in range(5)] + [x[:256] + b[300:]]
     connector = {"runtime_dir": str(runtime_dir), "chunk_tokens": CHUNK}
     try:
+        # The reference runs the producer's sequence first (same batches, same prefix-cache state).
         ref = run_engine(tmp, "reference", {"model": str(model), "connector": None, "steps": [
-            {"op": "generate", "prompts": [x]}, {"op": "block_digests"},
-            {"op": "generate", "prompts": [b]}, {"op": "generate", "prompts": batch}, {"op": "block_digests"},
-            {"op": "generate", "prompts": [a]},
+            {"op": "generate", "prompts": [x]}, {"op": "block_digests"},                   # 0, 1
+            {"op": "generate", "prompts": batch}, {"op": "block_digests"},                 # 2, 3
+            {"op": "generate", "prompts": [b]}, {"op": "generate", "prompts": [a]},        # 4, 5
         ]})
         prod = run_engine(tmp, "producer", {"model": str(model), "connector": connector, "steps": [
             {"op": "generate", "prompts": [x]}, {"op": "generate", "prompts": batch},
+            {"op": "block_digests"},
         ]}, env={"PYTHONHASHSEED": str(random.randint(1, 10**6))})
         (url,) = [s.url for s in server_status(runtime_dir)]
         cons = run_engine(tmp, "consumer", {"model": str(model), "connector": {**connector, "verify_checksums": False},
@@ -85,36 +102,37 @@ def scenario(request, tmp_path_factory):
                                           "steps": [{"op": "generate", "prompts": [x]}]})
     finally:
         stop_servers(runtime_dir)
-    return {"kind": kind, "x": x, "a": a, "b": b, "batch": batch, "ref": ref, "prod": prod, "cons": cons,
+    return {"kind": kind, "block": BLOCK_SIZES[kind], "x": x, "a": a, "b": b, "batch": batch, "ref": ref, "prod": prod, "cons": cons,
             "ver": ver, "fp8": fp8}
 
 
 def _ref_digests(s) -> set[str]:
-    return set(s["ref"][1]["digests"].values()) | set(s["ref"][4]["digests"].values())
+    return set(s["ref"][1]["digests"].values()) | set(s["ref"][3]["digests"].values())
 
 
 def test_producer_run_is_cold_and_equal_to_reference(scenario):
     prod, ref = scenario["prod"], scenario["ref"]
     assert prod[0]["external_hits"] == 0
     assert prod[0]["token_ids"] == ref[0]["token_ids"]
-    assert prod[1]["token_ids"] == ref[3]["token_ids"]
+    assert prod[1]["token_ids"] == ref[2]["token_ids"]
 
 
 def test_fresh_engine_gets_the_promised_hit(scenario):
     cons, x = scenario["cons"], scenario["x"]
-    hit = expected_hit(len(x), len(x) // CHUNK * CHUNK)
+    block = scenario["block"]
+    hit = expected_hit(len(x), len(x) // CHUNK * CHUNK, block)
     assert hit == 512
     assert cons[0]["external_hits"] == hit
-    assert len(cons[1]["block_ids"]) == hit // BLOCK
+    assert len(cons[1]["block_ids"]) == hit // block
 
 
 def test_loaded_blocks_are_byte_identical_to_a_run_without_the_connector(scenario):
     cons, ref = scenario["cons"], scenario["ref"]
     ref_x = set(ref[1]["digests"].values())
     loaded = cons[1]["digests"]
-    assert len(set(loaded)) == len(loaded) == 4
+    assert len(set(loaded)) == len(loaded) == 512 // scenario["block"]
     assert set(loaded) <= ref_x
-    assert cons[0]["token_ids"] == ref[0]["token_ids"]
+    assert_same_greedy(scenario["kind"], cons[0]["token_ids"], ref[0]["token_ids"])
 
 
 def test_corrupted_block_is_caught_by_the_byte_comparison(scenario):
@@ -132,8 +150,8 @@ def test_corrupted_block_is_caught_by_the_byte_comparison(scenario):
 def test_checksum_catches_corruption_and_the_engine_recomputes(scenario):
     ver, ref = scenario["ver"], scenario["ref"]
     # The corrupted value fails verification: its blocks are recomputed and the output is unchanged.
-    assert ver[0]["token_ids"] == ref[0]["token_ids"]
-    assert len(ver[1]["block_ids"]) < 4
+    assert_same_greedy(scenario["kind"], ver[0]["token_ids"], ref[0]["token_ids"])
+    assert len(ver[1]["block_ids"]) < 512 // scenario["block"]
     assert set(ver[1]["digests"]) <= set(ref[1]["digests"].values())
 
 
@@ -141,8 +159,8 @@ def test_case_C27_phantom_hit_is_not_offered_again(scenario):
     ver, ref = scenario["ver"], scenario["ref"]
     first_promise = ver[0]["external_hits"]
     assert ver[3]["external_hits"] < first_promise, "the corrupt entry was deleted, so the hit is shorter"
-    assert ver[3]["token_ids"] == ref[0]["token_ids"]
-    assert len(ver[4]["block_ids"]) * BLOCK == ver[3]["external_hits"]
+    assert_same_greedy(scenario["kind"], ver[3]["token_ids"], ref[0]["token_ids"])
+    assert len(ver[4]["block_ids"]) * scenario["block"] == ver[3]["external_hits"]
 
 
 def test_case_C01_engines_with_different_hash_seeds_share_the_store(scenario):
@@ -152,19 +170,21 @@ def test_case_C01_engines_with_different_hash_seeds_share_the_store(scenario):
 
 def test_case_C04_uneven_prompt_full_hit_leaves_tokens_to_compute(scenario):
     cons, ref, x = scenario["cons"], scenario["ref"], scenario["x"]
-    assert len(x) % BLOCK != 0
+    assert len(x) % scenario["block"] != 0
     assert 0 < cons[0]["external_hits"] < len(x)
-    assert cons[0]["token_ids"] == ref[0]["token_ids"]
+    assert_same_greedy(scenario["kind"], cons[0]["token_ids"], ref[0]["token_ids"])
 
 
 def test_case_C05_engine_prefix_cache_plus_store_tail(scenario):
     """A = X[:400] loads its one full chunk (blocks 0-1) and computes block 2, so vLLM's prefix cache holds 3 blocks
     of X; the store holds 4 (2 chunks). X then loads only block 3 (the second half of chunk 1), never A's blocks."""
+    if scenario["kind"] == "mla":
+        pytest.skip("vLLM-CPU turns its own prefix caching off for MLA models: no local prefix hit to combine with")
     cons, ref = scenario["cons"], scenario["ref"]
     a_blocks = set(cons[7]["block_ids"])
     assert cons[6]["external_hits"] == CHUNK
     assert len(a_blocks) == 2 and cons[6]["token_ids"] == ref[5]["token_ids"]
-    assert cons[8]["external_hits"] == BLOCK
+    assert cons[8]["external_hits"] == scenario["block"]
     assert len(cons[9]["block_ids"]) == 1 and not (set(cons[9]["block_ids"]) & a_blocks)
     assert set(cons[9]["digests"]) <= set(ref[1]["digests"].values())
     assert cons[8]["token_ids"] == ref[0]["token_ids"]
@@ -173,17 +193,18 @@ def test_case_C05_engine_prefix_cache_plus_store_tail(scenario):
 def test_case_C07_prompts_diverging_inside_a_block_reuse_only_whole_matching_blocks(scenario):
     cons, ref = scenario["cons"], scenario["ref"]
     assert cons[11]["external_hits"] == CHUNK  # B diverges at token 300: only chunk 0 (blocks 0 and 1) matches
-    assert len(cons[12]["block_ids"]) == 2
+    assert len(cons[12]["block_ids"]) == CHUNK // scenario["block"]
     assert set(cons[12]["digests"]) <= set(ref[1]["digests"].values())
-    assert cons[11]["token_ids"] == ref[2]["token_ids"]
+    assert_same_greedy(scenario["kind"], cons[11]["token_ids"], ref[4]["token_ids"])
 
 
 def test_case_C08_concurrent_loads_are_byte_exact(scenario):
     cons, ref, batch = scenario["cons"], scenario["ref"], scenario["batch"]
-    expected = sum(expected_hit(len(p), len(p) // CHUNK * CHUNK) for p in batch)
+    block = scenario["block"]
+    expected = sum(expected_hit(len(p), len(p) // CHUNK * CHUNK, block) for p in batch)
     assert cons[3]["external_hits"] == expected
-    assert cons[3]["token_ids"] == ref[3]["token_ids"]
-    assert len(cons[4]["digests"]) * BLOCK == expected
+    assert_same_greedy(scenario["kind"], cons[3]["token_ids"], ref[2]["token_ids"])
+    assert len(cons[4]["digests"]) * block == expected
     assert set(cons[4]["digests"]) <= _ref_digests(scenario)
 
 
