@@ -43,6 +43,13 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
     "start_timeout_s": ("s", "10.0", "How long start-up waits for a backend server to answer."),
     "verify_checksums": ("-", "true", "Verify each loaded value's checksum before it reaches attention."),
     "memory_capacity_bytes": ("bytes", "1073741824", 'Byte budget of the "memory" backend (per worker).'),
+    "shard_capacity_bytes": (
+        "bytes",
+        "0 (no budget)",
+        "Byte budget of stripes on each Valkey shard, enforced by Range (least-recently-used unleased stripes are "
+        "evicted with their tickets). 0: no budget; the server's own memory limit then refuses saves.",
+    ),
+    "lease_ttl_s": ("s", "60.0", "Lifetime of a lease taken on promised stripes if it is never released."),
     "backend_retry_s": (
         "s",
         "10.0",
@@ -78,6 +85,8 @@ class RangeConfig:
     start_timeout_s: float = 10.0
     verify_checksums: bool = True
     memory_capacity_bytes: int = 1 << 30
+    shard_capacity_bytes: int = 0
+    lease_ttl_s: float = 60.0
     backend_retry_s: float = 10.0
     namespace_salt: str = ""
 
@@ -114,10 +123,10 @@ class RangeConfig:
             for url in urls:
                 _check_url(url)
             values["valkey_urls"] = tuple(urls)
-        for key in ("num_shards", "chunk_tokens", "memory_capacity_bytes"):
+        for key in ("num_shards", "chunk_tokens", "memory_capacity_bytes", "shard_capacity_bytes"):
             if key in extra:
-                values[key] = _positive_int(key, extra[key], allow_zero=key == "memory_capacity_bytes")
-        for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s"):
+                values[key] = _positive_int(key, extra[key], allow_zero=key.endswith("capacity_bytes"))
+        for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s", "lease_ttl_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key])
         if "verify_checksums" in extra:

@@ -78,7 +78,8 @@ class RangeConnector(KVConnectorBase_V1):
             backends = open_shard_backends(config) if config.backend != "memory" else None
             self._scheduler = RangeScheduler(
                 config, self.namespace, group.block_size, backends,
-                can_load=role_name in ("kv_both", "kv_consumer"), can_save=role_name in ("kv_both", "kv_producer"))
+                can_load=role_name in ("kv_both", "kv_consumer"), can_save=role_name in ("kv_both", "kv_producer"),
+                num_layers=len(group.layer_names), layer_block_bytes=group.page_size_bytes)
         else:
             self._worker = RangeWorker(config, group.block_size, group.layer_names, kv_cache_config.num_blocks,
                                        open_shard_backends(config), tp_rank=compat.tp_rank())

@@ -61,16 +61,15 @@ def engine_block_digests(worker: Any, block_ids: list[int] | None = None) -> dic
     return out
 
 
-def connector_last_loaded_block_ids(worker: Any) -> list[int]:
-    """Block ids the Range worker wrote in its last loading step (chain order)."""
+def connector_loaded_block_ids(worker: Any) -> list[int]:
+    """Block ids the Range worker wrote since the last call (a batch can load over several steps)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    connector = get_kv_transfer_group()
-    return list(connector._worker.last_loaded_block_ids)
+    return get_kv_transfer_group()._worker.take_loaded_block_log()
 
 
-def connector_last_loaded_keys(worker: Any) -> list[str]:
-    """Keys of the values the Range worker read in its last loading step."""
+def connector_last_loaded_tickets(worker: Any) -> list[tuple[int, str]]:
+    """``(shard_idx, ticket key)`` of the chunks the Range worker read in its last loading step."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return [k.decode() for k in get_kv_transfer_group()._worker.last_loaded_keys]
+    return [(s, k.decode()) for s, k in get_kv_transfer_group()._worker.last_loaded_tickets]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from range_connector.namespace import ChunkHash
+from range_connector.tickets import Ticket
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,12 +24,14 @@ class ChunkTransfer:
         chunk_hash: its prefix hash.
         block_positions: positions (within the chunk, ``0 <= p < blocks_per_chunk``) of the blocks to move.
         block_ids: engine block ids, one per position.
+        tickets: for loads, ``[num_shards]`` tickets (where each shard's slice lives); empty for saves.
     """
 
     chunk_idx: int
     chunk_hash: ChunkHash
     block_positions: tuple[int, ...]
     block_ids: tuple[int, ...]
+    tickets: tuple[Ticket, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +64,21 @@ class RangeWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler metadata of one engine step.
 
     Attributes:
-        saved: chunk hashes whose every shard was written by this worker.
-        dropped: chunk hashes found missing or corrupt on load, or evicted from a worker's DRAM tier.
+        saved: ``(chunk hash, [num_shards] tickets)`` of chunks whose every shard was written by this worker.
+        dropped: chunk hashes found corrupt on load, or evicted from a worker's DRAM tier.
+        loaded: requests whose load of this step finished (loaded or failed): their leases can go.
         failed_loads: ``(req_id, chunk_idx)``: the request's load failed from that chunk on; those chunks are
             recomputed and must be saved again.
     """
 
-    saved: list[ChunkHash] = field(default_factory=list)
+    saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = field(default_factory=list)
     dropped: list[ChunkHash] = field(default_factory=list)
     failed_loads: list[tuple[str, int]] = field(default_factory=list)
+    loaded: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, RangeWorkerMetadata):
             raise TypeError(f"cannot aggregate RangeWorkerMetadata with {type(other).__name__}")
         return RangeWorkerMetadata(saved=self.saved + other.saved, dropped=self.dropped + other.dropped,
-                                   failed_loads=self.failed_loads + other.failed_loads)
+                                   failed_loads=self.failed_loads + other.failed_loads,
+                                   loaded=sorted(set(self.loaded) | set(other.loaded)))

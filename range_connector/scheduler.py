@@ -19,7 +19,7 @@ from range_connector.errors import BackendError
 from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.namespace import ChunkHash, prefix_hash_chain, request_salt
 from range_connector.sharding import ShardPlan
-from range_connector.tiers import value_key
+from range_connector.tickets import Ticket, ticket_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -59,6 +59,7 @@ class _RequestState:
 @dataclass
 class _Lookup:
     chunk_hashes: list[ChunkHash]
+    tickets: list[tuple[Ticket, ...]]  # [num_stored_chunks] x [num_shards]
     num_stored_chunks: int
     num_computed_tokens: int
     num_hit_tokens: int
@@ -73,12 +74,15 @@ class RangeScheduler:
         block_size: engine block size in tokens.
         lookup_backends: ``[num_shards]`` backends to ask for stored prefixes, or ``None`` when the tier's index
             lives here (the in-process DRAM tier, whose bytes are in the worker).
+        num_layers: attention layers (tickets must match).
+        layer_block_bytes: bytes of one block of one layer (tickets must match).
         can_load: the role loads (``kv_both``/``kv_consumer``).
         can_save: the role saves (``kv_both``/``kv_producer``).
     """
 
     def __init__(self, config: RangeConfig, namespace: bytes, block_size: int,
-                 lookup_backends: list[Backend] | None, *, can_load: bool, can_save: bool) -> None:
+                 lookup_backends: list[Backend] | None, *, can_load: bool, can_save: bool,
+                 num_layers: int = 0, layer_block_bytes: int = 0) -> None:
         assert config.chunk_tokens is not None
         self.config = config
         self.namespace = namespace
@@ -88,13 +92,18 @@ class RangeScheduler:
         self.lookup_backends = lookup_backends
         self.can_load = can_load
         self.can_save = can_save
-        self._index: dict[ChunkHash, None] = {}  # the DRAM tier's index (insertion order ~ LRU)
+        self.num_layers = num_layers
+        self.layer_block_bytes = layer_block_bytes
+        # The DRAM tier's index: chunk hash -> tickets (the bytes are in the worker, which reports saves/evictions).
+        self._index: dict[ChunkHash, tuple[Ticket, ...]] = {}
+        self._leases: dict[str, dict[int, list[str]]] = {}  # req_id -> shard -> leased stripe ids
         self._lookups: dict[str, _Lookup] = {}
         self._loads: list[RequestTransfer] = []
         self._requests: dict[str, _RequestState] = {}
         self._lookup_down_until = 0.0  # monotonic time before which lookups are misses (a shard just failed)
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
-        self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0}
+        self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
+                                      "lease_errors": 0}
 
     # ---------------------------------------------------------------- lookup
     def _chain(self, request: Request) -> list[ChunkHash]:
@@ -103,38 +112,55 @@ class RangeScheduler:
         salt = request_salt(lora, getattr(request, "cache_salt", None), media)
         return prefix_hash_chain(self.namespace, salt, request.prompt_token_ids or [], self.chunk_tokens)
 
-    def num_stored_chunks(self, chunk_hashes: list[ChunkHash]) -> int:
-        """Leading chunks present on every shard: the minimum over shards of each shard's stored prefix.
+    def stored_prefix(self, chunk_hashes: list[ChunkHash]) -> list[tuple[Ticket, ...]]:
+        """Tickets of the leading chunks present on every shard.
 
-        A backend error counts as a miss (0), never an exception; after one, lookups are misses without asking for
-        ``backend_retry_s`` seconds, so a dead or frozen shard costs the scheduler one timeout, not one per request.
+        One batched ticket read per shard, in parallel; the result is the minimum over shards of each shard's
+        stored prefix. Why the minimum is exactly the longest prefix present on every shard: each shard's set of
+        stored prefixes of this chain is prefix-closed once cut at its first gap (a shard's answer is the length of
+        its first run), and the intersection of prefix-closed sets of one chain is the shortest of them.
+
+        A backend error counts as a miss (empty), never an exception; after one, lookups are misses without
+        asking for ``backend_retry_s`` seconds, so a dead or frozen shard costs one timeout, not one per request.
+        A ticket that does not fit the registered layout is a miss.
         """
         if not chunk_hashes:
-            return 0
+            return []
         if self.lookup_backends is None:
-            n = 0
+            out = []
             for h in chunk_hashes:
-                if h not in self._index:
+                tickets = self._index.get(h)
+                if tickets is None:
                     break
-                n += 1
-            return n
+                out.append(tickets)
+            return out
 
-        def one(shard_idx: int) -> int:
-            keys = [value_key(h, shard_idx) for h in chunk_hashes]
-            return self.lookup_backends[shard_idx].lookup_prefix(keys)
+        def one(shard_idx: int) -> list[Ticket]:
+            keys = [ticket_key(h, shard_idx) for h in chunk_hashes]
+            found = []
+            for raw in self.lookup_backends[shard_idx].get_tickets(keys):
+                t = Ticket.decode(raw, num_layers=self.num_layers, layer_block_bytes=self.layer_block_bytes,
+                                  num_blocks=self.plan.blocks_per_shard)
+                if t is None:
+                    break
+                found.append(t)
+            return found
 
         if time.monotonic() < self._lookup_down_until:
             self.stats["lookups_skipped"] += 1
-            return 0
+            return []
         try:
             if len(self.lookup_backends) == 1:
-                return one(0)
-            return min(self._pool.map(one, range(len(self.lookup_backends))))
+                per_shard = [one(0)]
+            else:
+                per_shard = list(self._pool.map(one, range(len(self.lookup_backends))))
         except BackendError as exc:
             self.stats["lookup_errors"] += 1
             self._lookup_down_until = time.monotonic() + self.config.backend_retry_s
             logger.warning("Range lookup failed; lookups are misses for %.1f s: %s", self.config.backend_retry_s, exc)
-            return 0
+            return []
+        n = min(len(t) for t in per_shard)
+        return [tuple(shard[i] for shard in per_shard) for i in range(n)]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """See ``KVConnectorBase_V1.get_num_new_matched_tokens``; side-effect free apart from caching the lookup.
@@ -143,10 +169,11 @@ class RangeScheduler:
         promises nothing.
         """
         hashes = self._chain(request)
-        stored = self.num_stored_chunks(hashes)
+        tickets = self.stored_prefix(hashes)
+        stored = len(tickets)
         hit = hit_tokens(stored, self.chunk_tokens, len(request.prompt_token_ids or []), self.block_size)
         self.stats["lookups"] += 1
-        self._lookups[request.request_id] = _Lookup(hashes, stored, num_computed_tokens, hit)
+        self._lookups[request.request_id] = _Lookup(hashes, tickets, stored, num_computed_tokens, hit)
         if not self.can_load:
             return 0, False
         return max(0, hit - num_computed_tokens), False
@@ -184,9 +211,51 @@ class RangeScheduler:
         for chunk_idx in range(first_block // bpc, (end_block + bpc - 1) // bpc):
             positions = [p for p in range(bpc) if first_block <= chunk_idx * bpc + p < end_block]
             chunks.append(ChunkTransfer(chunk_idx, state.chunk_hashes[chunk_idx], tuple(positions),
-                                        tuple(block_ids[chunk_idx * bpc + p] for p in positions)))
+                                        tuple(block_ids[chunk_idx * bpc + p] for p in positions),
+                                        lookup.tickets[chunk_idx]))
         self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens))
         self.stats["promised_tokens"] += num_external_tokens
+        self._take_leases(request.request_id, chunks)
+
+    # ---------------------------------------------------------------- leases
+    def _take_leases(self, req_id: str, chunks: list[ChunkTransfer]) -> None:
+        """Lease the promised stripes on every shard, so that eviction cannot remove them before the load.
+
+        Leases are released when the worker reports the load finished (loaded or failed) or the request ends; a
+        lease also expires by itself after ``lease_ttl_s``. A lease that cannot be taken only risks a load error.
+        """
+        if self.lookup_backends is None:
+            return  # DRAM tier: loads finish in the step that commits to them, before any save can evict
+        per_shard: dict[int, list[str]] = {}
+        for c in chunks:
+            for s, t in enumerate(c.tickets):
+                ids = per_shard.setdefault(s, [])
+                if t.stripe_id not in ids:
+                    ids.append(t.stripe_id)
+        taken: dict[int, list[str]] = {}
+        for s, ids in per_shard.items():
+            try:
+                self.lookup_backends[s].lease(ids, self.config.lease_ttl_s)
+                taken[s] = ids
+            except BackendError as exc:
+                self.stats["lease_errors"] += 1
+                logger.warning("Range: lease on shard %d failed (the load may fail and be recomputed): %s", s, exc)
+        if taken:
+            self._release_leases(req_id)  # a request leases once at a time
+            self._leases[req_id] = taken
+
+    def _release_leases(self, req_id: str) -> None:
+        for s, ids in self._leases.pop(req_id, {}).items():
+            try:
+                self.lookup_backends[s].release(ids)  # type: ignore[index]
+            except BackendError as exc:
+                self.stats["lease_errors"] += 1
+                logger.warning("Range: lease release on shard %d failed (it expires by itself): %s", s, exc)
+
+    @property
+    def num_leases(self) -> int:
+        """Requests holding leases (0 when idle)."""
+        return len(self._leases)
 
     # ---------------------------------------------------------------- per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RangeConnectorMetadata:
@@ -196,6 +265,7 @@ class RangeScheduler:
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._lookups.pop(req_id, None)
+            self._release_leases(req_id)
         progress: list[tuple[_RequestState, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -245,9 +315,12 @@ class RangeScheduler:
             state = self._requests.get(req_id)
             if state is not None:  # recomputed chunks are saved again once computed
                 state.num_saved_chunks = min(state.num_saved_chunks, chunk_idx)
-        for h in worker_meta.saved:
-            self._index.pop(h, None)
-            self._index[h] = None
+        for req_id in worker_meta.loaded:
+            self._release_leases(req_id)
+        if self.lookup_backends is None:
+            for h, tickets in worker_meta.saved:
+                self._index.pop(h, None)
+                self._index[h] = tickets
         for h in worker_meta.dropped:
             self._index.pop(h, None)
 
@@ -255,10 +328,13 @@ class RangeScheduler:
         """Forget the request; saves are synchronous within a step, so the blocks can be freed now."""
         self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._release_leases(request.request_id)
         return False, None
 
     def close(self) -> None:
-        """Release lookup connections and threads."""
+        """Release leases, lookup connections and threads."""
+        for req_id in list(self._leases):
+            self._release_leases(req_id)
         self._pool.shutdown(wait=False)
         for b in self.lookup_backends or []:
             b.close()

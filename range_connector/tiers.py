@@ -1,4 +1,4 @@
-"""Open the configured tier: one backend per shard, and the key of every stored value."""
+"""Open the configured tier: one backend per shard."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ from range_connector.backends.base import Backend
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError, ConfigError
-from range_connector.namespace import ChunkHash
 
 logger = logging.getLogger("vllm." + __name__)
-
-
-def value_key(chunk_hash: ChunkHash, shard_idx: int, tp_rank: int = 0) -> bytes:
-    """Key of one shard's slice of one chunk (written by tensor-parallel rank ``tp_rank``)."""
-    return b"rc1:%s:s%d:t%d" % (chunk_hash.hex().encode(), shard_idx, tp_rank)
 
 
 def resolve_valkey_urls(config: RangeConfig) -> list[str]:
@@ -47,13 +41,14 @@ def open_shard_backends(config: RangeConfig) -> list[Backend]:
         ConfigError: a server does not answer at start-up (names ``valkey_urls`` and the URL).
     """
     if config.backend == "memory":
-        return [MemoryBackend(config.memory_capacity_bytes)] * config.num_shards
+        return [MemoryBackend(config.memory_capacity_bytes or None)] * config.num_shards
     from range_connector.backends.valkey import ValkeyBackend
 
     backends: list[Backend] = []
     for url in resolve_valkey_urls(config):
         try:
-            backends.append(ValkeyBackend(url, timeout_s=config.backend_timeout_s))
+            backends.append(ValkeyBackend(url, timeout_s=config.backend_timeout_s,
+                                          capacity_bytes=config.shard_capacity_bytes or None))
         except BackendError as exc:
             for b in backends:
                 b.close()

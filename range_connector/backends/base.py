@@ -1,14 +1,22 @@
-"""The backend protocol: a byte store addressed by keys, one instance per shard.
+"""The backend protocol: one shard's stripe store, addressed by stripe ids and ticket keys.
 
-Contract (checked by ``tests/backends``, run against every backend):
+A save batch becomes one *stripe* per shard: for every layer one value ``[num_planes, stripe_blocks, row_bytes]``
+(on Valkey a value of its own, read whole; sub-ranges only for partial hits), plus one small *ticket* per chunk
+(:mod:`range_connector.tickets`). Every operation below is one round trip whatever the number of chunks or layers
+it covers, so the cost of the storage path follows bytes and stripes, not logical objects (DESIGN.md §3.1).
 
-* ``put_many`` stores whole values; a later ``get_many`` returns exactly those bytes (or ``None`` if the value was
-  evicted or never stored); a key that was never written is a miss, never an error.
-* ``lookup_prefix(keys)`` returns how many leading keys are present, in one round trip whatever the number of keys.
-* Every call has a deadline: a tier that does not answer raises :class:`BackendTimeoutError`; any other failure
-  raises :class:`BackendError`. Callers turn both into misses or load errors.
-* Counters (:class:`BackendCounters`) count round trips, commands, bytes and allocations, so tests can check that
-  cost follows bytes rather than objects.
+Contract (checked by ``tests/backends/test_conformance.py`` against every backend):
+
+* ``write_stripe`` stores the layer values, then publishes the tickets; a reader that sees a ticket can read its
+  stripe. When ``capacity_bytes`` is set, room is made by evicting least-recently-used stripes that hold no lease,
+  together with the tickets that still point at them; if that is not enough, the write is skipped (``False``).
+* ``get_tickets`` returns the raw ticket bytes (``None`` for a miss): one round trip, one command on Valkey (MGET).
+* ``read_ranges`` fills each read's ``dest`` with ``length`` bytes of a stripe's layer value; a stripe that is gone
+  reads as ``False`` (a miss), never as garbage.
+* ``lease`` protects stripes from eviction for ``ttl_s`` seconds (or until ``release``); leases are counted, so two
+  holders need two releases; an expired lease protects nothing.
+* Every call has a deadline: :class:`BackendTimeoutError` when it passes, :class:`BackendError` for other failures.
+* :class:`BackendCounters` count round trips, commands, bytes, allocations and copy launches (client side).
 """
 
 from __future__ import annotations
@@ -37,90 +45,119 @@ class BackendCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class Backend(abc.ABC):
-    """One shard's storage tier.
+@dataclass(frozen=True, slots=True)
+class RangeRead:
+    """Read ``length`` bytes at ``offset`` of layer ``layer_idx`` of a stripe into ``dest`` (exactly ``length``
+    bytes, writable). ``value_bytes`` is the size of the whole layer value (from the ticket): a read of all of it
+    is a whole-value read (``GET`` on Valkey, which the server answers without copying a sub-range)."""
+
+    stripe_id: str
+    layer_idx: int
+    offset: int
+    length: int
+    value_bytes: int
+    dest: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class StripeWrite:
+    """One shard's part of one save batch.
 
     Attributes:
-        name: human-readable tier and address, used in error messages (e.g. ``valkey://127.0.0.1:6379``).
-        max_value_bytes: the largest value the tier accepts.
+        stripe_id: unique id (alphanumeric).
+        layer_values: ``[num_layers]`` buffers of equal size, ``[num_planes, stripe_blocks, row_bytes]`` each.
+        tickets: ``(ticket key, encoded ticket)`` of every chunk in the stripe.
+    """
+
+    stripe_id: str
+    layer_values: Sequence[Buffer]
+    tickets: Sequence[tuple[bytes, bytes]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the layer values (what counts against ``capacity_bytes``)."""
+        return sum(memoryview(v).nbytes for v in self.layer_values)
+
+
+class Backend(abc.ABC):
+    """One shard's stripe store.
+
+    Attributes:
+        name: tier and address for error messages (e.g. ``valkey://127.0.0.1:6379``).
+        max_value_bytes: the largest single layer value the tier accepts.
+        capacity_bytes: byte budget managed by Range (``None``: no budget).
         counters: cumulative :class:`BackendCounters`.
     """
 
-    #: Whether sub-ranges of a value can be read without reading the whole value.
-    supports_ranged_reads: bool = False
-    #: Whether the bytes survive the process that wrote them (another process can read them).
+    #: Whether the bytes outlive the process that wrote them (other processes and restarted engines see them).
     is_shared: bool = False
 
-    def __init__(self, name: str, max_value_bytes: int) -> None:
+    def __init__(self, name: str, max_value_bytes: int, capacity_bytes: int | None) -> None:
         self.name = name
         self.max_value_bytes = max_value_bytes
+        self.capacity_bytes = capacity_bytes
         self.counters = BackendCounters()
         self._counters_lock = threading.Lock()
 
-    def _count(self, *, round_trips: int = 0, commands: int = 0, bytes_written: int = 0, bytes_read: int = 0,
-               allocations: int = 0) -> None:
+    def _count(self, **deltas: int) -> None:
         with self._counters_lock:
-            c = self.counters
-            c.round_trips += round_trips
-            c.commands += commands
-            c.bytes_written += bytes_written
-            c.bytes_read += bytes_read
-            c.allocations += allocations
+            for k, v in deltas.items():
+                setattr(self.counters, k, getattr(self.counters, k) + v)
 
     @abc.abstractmethod
-    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        """Count the leading keys that are present (one round trip).
+    def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Read tickets (one round trip). Raises BackendTimeoutError, BackendError."""
 
-        Args:
-            keys: ``[num_keys]`` keys in chain order.
+    @abc.abstractmethod
+    def write_stripe(self, write: StripeWrite) -> bool:
+        """Store a stripe and publish its tickets (see the module contract).
 
         Returns:
-            ``n`` such that ``keys[:n]`` are all present and ``keys[n]`` is not (or ``n == num_keys``).
+            ``True`` if stored, ``False`` if skipped for lack of room (everything evictable is leased, or the
+            stripe is larger than the budget).
 
         Raises:
+            ValueError: a layer value exceeds :attr:`max_value_bytes` (nothing is stored).
             BackendTimeoutError, BackendError.
         """
 
     @abc.abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
-        """Store values (one round trip). Each value must be at most :attr:`max_value_bytes`.
+    def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
+        """Fill every read's ``dest`` (one round trip); ``False`` where the stripe or layer is gone.
 
         Raises:
-            ValueError: a value is larger than :attr:`max_value_bytes` (nothing of this call is stored).
+            ValueError: a read falls outside its stored value (a ticket that lies; caller treats as corrupt).
             BackendTimeoutError, BackendError.
         """
 
     @abc.abstractmethod
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Read whole values (one round trip); ``None`` for a missing key.
-
-        Raises:
-            BackendTimeoutError, BackendError.
-        """
+    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
+        """Protect stripes from eviction for ``ttl_s`` seconds (one round trip)."""
 
     @abc.abstractmethod
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        """Delete keys (one round trip); return how many existed.
+    def release(self, stripe_ids: Sequence[str]) -> None:
+        """Release one lease on each stripe (one round trip); releasing an expired lease is harmless."""
 
-        Raises:
-            BackendTimeoutError, BackendError.
-        """
+    @abc.abstractmethod
+    def delete_tickets(self, keys: Sequence[bytes]) -> None:
+        """Forget chunks whose bytes proved bad (one round trip); their stripes age out by LRU."""
+
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of stripes currently stored (as accounted by Range)."""
 
     def ping(self) -> None:
-        """Check that the tier answers.
-
-        Raises:
-            BackendTimeoutError, BackendError.
-        """
+        """Check that the tier answers. Raises BackendTimeoutError, BackendError."""
 
     def close(self) -> None:
-        """Release connections; the stored bytes stay where the tier keeps them."""
+        """Release connections; stored bytes stay where the tier keeps them."""
 
-    def _check_sizes(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
-        for key, value in items:
-            size = memoryview(value).nbytes
-            if size > self.max_value_bytes:
-                raise ValueError(
-                    f"{self.name}: value for key {key!r} is {size} bytes, over the tier's limit of "
-                    f"{self.max_value_bytes} bytes"
-                )
+    def _check_write(self, write: StripeWrite) -> None:
+        sizes = {memoryview(v).nbytes for v in write.layer_values}
+        if len(sizes) > 1:
+            raise ValueError(f"{self.name}: stripe {write.stripe_id} has layer values of different sizes {sizes}")
+        if sizes and max(sizes) > self.max_value_bytes:
+            raise ValueError(f"{self.name}: stripe {write.stripe_id} layer value of {max(sizes)} bytes is over the "
+                             f"tier's limit of {self.max_value_bytes} bytes")
+        if not write.stripe_id.isalnum():
+            raise ValueError(f"{self.name}: stripe id {write.stripe_id!r} is not alphanumeric")

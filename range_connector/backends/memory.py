@@ -1,94 +1,146 @@
-"""In-process DRAM tier: the reference implementation of the backend protocol and the test oracle.
+"""In-process DRAM tier: the reference implementation of the stripe-store protocol and the test oracle.
 
-Values live in this process (a worker process when serving); a byte budget is enforced by evicting the least
-recently used values. Thread-safe.
+Stripes live in this process (a worker process when serving); ``capacity_bytes`` is enforced by evicting the least
+recently used stripes that hold no lease, with the tickets that still point at them. Thread-safe.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from range_connector.backends.base import Backend, Buffer
+from range_connector.backends.base import Backend, RangeRead, StripeWrite
 
 
 class MemoryBackend(Backend):
-    """A byte store in this process's memory.
+    """A stripe store in this process's memory.
 
     Args:
-        capacity_bytes: byte budget; storing past it evicts least-recently-used values.
+        capacity_bytes: byte budget (``None``: unlimited).
         name: label for error messages.
-        max_value_bytes: largest accepted value (default: the capacity).
+        max_value_bytes: largest accepted layer value (default 2 GiB).
     """
 
-    def __init__(self, capacity_bytes: int, name: str = "memory", max_value_bytes: int | None = None) -> None:
-        super().__init__(name, max_value_bytes if max_value_bytes is not None else capacity_bytes)
-        self.capacity_bytes = capacity_bytes
-        self._values: OrderedDict[bytes, bytes] = OrderedDict()
+    def __init__(self, capacity_bytes: int | None = None, name: str = "memory",
+                 max_value_bytes: int = 2 << 30) -> None:
+        super().__init__(name, max_value_bytes, capacity_bytes)
+        self._stripes: OrderedDict[str, list[bytes]] = OrderedDict()  # LRU order, oldest first
+        self._stripe_tickets: dict[str, list[bytes]] = {}
+        self._tickets: dict[bytes, tuple[str, bytes]] = {}  # key -> (stripe id, encoded ticket)
+        self._leases: dict[str, list[float]] = {}  # stripe id -> expiry times (monotonic s)
         self._used_bytes = 0
         self._lock = threading.Lock()
-        #: keys dropped by eviction since the last :meth:`take_evicted` (the scheduler's index learns of them).
+        #: ticket keys dropped by eviction since the last :meth:`take_evicted` (a scheduler-side index learns them).
         self._evicted: list[bytes] = []
 
-    @property
     def used_bytes(self) -> int:
-        """Bytes currently stored."""
         return self._used_bytes
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        self._count(round_trips=1, commands=len(keys))
+    def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        self._count(round_trips=1, commands=1)
         with self._lock:
-            for n, key in enumerate(keys):
-                if key not in self._values:
-                    return n
-                self._values.move_to_end(key)
-            return len(keys)
+            return [t[1] if (t := self._tickets.get(k)) is not None else None for k in keys]
 
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
-        self._check_sizes(items)
-        total = sum(memoryview(v).nbytes for _, v in items)
-        self._count(round_trips=1, commands=len(items), bytes_written=total, allocations=len(items))
+    def _leased(self, stripe_id: str, now: float) -> bool:
+        live = [t for t in self._leases.get(stripe_id, ()) if t > now]
+        if live:
+            self._leases[stripe_id] = live
+        else:
+            self._leases.pop(stripe_id, None)
+        return bool(live)
+
+    def _evict_for(self, need_bytes: int) -> bool:
+        if self.capacity_bytes is None:
+            return True
+        if need_bytes > self.capacity_bytes:
+            return False
+        now = time.monotonic()
+        for stripe_id in list(self._stripes):
+            if self._used_bytes + need_bytes <= self.capacity_bytes:
+                break
+            if self._leased(stripe_id, now):
+                continue
+            values = self._stripes.pop(stripe_id)
+            self._used_bytes -= sum(len(v) for v in values)
+            for key in self._stripe_tickets.pop(stripe_id, ()):
+                if self._tickets.get(key, ("",))[0] == stripe_id:
+                    del self._tickets[key]
+                    self._evicted.append(key)
+        return self._used_bytes + need_bytes <= self.capacity_bytes
+
+    def write_stripe(self, write: StripeWrite) -> bool:
+        self._check_write(write)
+        need = write.nbytes
         with self._lock:
-            for key, value in items:
-                data = bytes(value)
-                old = self._values.pop(key, None)
-                if old is not None:
-                    self._used_bytes -= len(old)
-                if len(data) > self.capacity_bytes:
+            if not self._evict_for(need):
+                self._count(round_trips=1, commands=1)
+                return False
+            values = [bytes(v) for v in write.layer_values]
+            self._stripes[write.stripe_id] = values
+            self._stripe_tickets[write.stripe_id] = [k for k, _ in write.tickets]
+            self._used_bytes += need
+            for key, raw in write.tickets:
+                self._tickets[key] = (write.stripe_id, bytes(raw))
+        self._count(round_trips=1, commands=len(values) + len(write.tickets), bytes_written=need,
+                    allocations=len(values))
+        return True
+
+    def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
+        out = []
+        nbytes = 0
+        with self._lock:
+            for r in reads:
+                values = self._stripes.get(r.stripe_id)
+                if values is None or not 0 <= r.layer_idx < len(values):
+                    out.append(False)
                     continue
-                while self._used_bytes + len(data) > self.capacity_bytes:
-                    gone_key, gone = self._values.popitem(last=False)
-                    self._used_bytes -= len(gone)
-                    self._evicted.append(gone_key)
-                self._values[key] = data
-                self._used_bytes += len(data)
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        with self._lock:
-            out = [self._values.get(k) for k in keys]
-            for k, v in zip(keys, out):
-                if v is not None:
-                    self._values.move_to_end(k)
-        self._count(round_trips=1, commands=len(keys), bytes_read=sum(len(v) for v in out if v is not None))
+                self._stripes.move_to_end(r.stripe_id)
+                value = values[r.layer_idx]
+                if r.offset < 0 or r.length != r.dest.nbytes or r.offset + r.length > len(value):
+                    raise ValueError(f"{self.name}: read [{r.offset}, {r.offset + r.length}) of stripe "
+                                     f"{r.stripe_id} layer {r.layer_idx} is outside its {len(value)} bytes")
+                r.dest[:] = memoryview(value)[r.offset:r.offset + r.length]
+                nbytes += r.length
+                out.append(True)
+        self._count(round_trips=1, commands=len(reads), bytes_read=nbytes, copy_launches=len(reads))
         return out
 
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        self._count(round_trips=1, commands=len(keys))
-        n = 0
+    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
+        expiry = time.monotonic() + ttl_s
+        with self._lock:
+            for sid in stripe_ids:
+                self._leases.setdefault(sid, []).append(expiry)
+        self._count(round_trips=1, commands=len(stripe_ids))
+
+    def release(self, stripe_ids: Sequence[str]) -> None:
+        with self._lock:
+            for sid in stripe_ids:
+                held = self._leases.get(sid)
+                if held:
+                    held.remove(min(held))
+                    if not held:
+                        del self._leases[sid]
+        self._count(round_trips=1, commands=len(stripe_ids))
+
+    def delete_tickets(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for k in keys:
-                v = self._values.pop(k, None)
-                if v is not None:
-                    self._used_bytes -= len(v)
-                    n += 1
-        return n
+                self._tickets.pop(k, None)
+        self._count(round_trips=1, commands=1)
 
     def ping(self) -> None:
         self._count(round_trips=1, commands=1)
 
+    def num_leases(self) -> int:
+        """Live leases held (for tests and metrics)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for sid in list(self._leases) if self._leased(sid, now) for _ in self._leases.get(sid, ()))
+
     def take_evicted(self) -> list[bytes]:
-        """Return and forget the keys evicted since the last call."""
+        """Return and forget the ticket keys dropped by eviction since the last call."""
         with self._lock:
             out, self._evicted = self._evicted, []
         return out

@@ -1,24 +1,75 @@
-"""Valkey tier: one server per shard, values read and written whole, batched in pipelines.
+"""Valkey tier: one server per shard; stripes as one value per layer, tickets as small keys, Range's own LRU.
 
-Each call is one pipeline (one round trip) with a socket deadline; connection errors and timeouts become
-:class:`BackendError` / :class:`BackendTimeoutError` naming the server. The server's own eviction is left off
-(``noeviction``): a write refused for memory is a failed save, never a lost entry that lookups still promise.
+Keys (``rc2:`` prefix): ``s:<stripe>:<layer>`` layer values, ``m:<stripe>`` manifest (bytes, layers, ticket keys),
+``t:...`` tickets (see tickets.py), ``lru`` (sorted set of stripes by last use, seconds), ``used`` (bytes of
+stripes), ``l:<stripe>`` lease counters with a time-to-live. Eviction runs inside the server as one Lua script
+(atomic: a stripe is either leased and kept, or removed with every ticket that still points at it). The server's
+own eviction stays off (``noeviction``); a write refused for memory is a skipped save.
+
+Each call is one pipeline (or one script) with a deadline for the whole call; connection errors and timeouts become
+:class:`BackendError` / :class:`BackendTimeoutError` naming the server.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import msgpack
 import valkey
 import valkey.exceptions as vex
 
-from range_connector.backends.base import Backend, Buffer
+from range_connector.backends.base import Backend, Buffer, RangeRead, StripeWrite
 from range_connector.errors import BackendError, BackendTimeoutError
 
 #: Valkey's default ``proto-max-bulk-len`` (bytes), used when the server does not let us read it.
 DEFAULT_MAX_BULK_BYTES = 512 * 1024 * 1024
+PREFIX = "rc2:"
+
+# Make room for ARGV[1] bytes under a budget of ARGV[2] bytes: evict least-recently-used stripes that hold no lease,
+# with the tickets that still point at them. Returns 1 and reserves the bytes, or 0 if there is no room.
+_RESERVE_LUA = """
+local p = ARGV[3]
+local need = tonumber(ARGV[1])
+local budget = tonumber(ARGV[2])
+if need > budget then return 0 end
+local used = tonumber(server.call('GET', p .. 'used') or '0')
+local idx = 0
+while used + need > budget do
+  local members = server.call('ZRANGE', p .. 'lru', idx, idx)
+  if #members == 0 then return 0 end
+  local sid = members[1]
+  if server.call('EXISTS', p .. 'l:' .. sid) == 1 then
+    idx = idx + 1
+  else
+    local raw = server.call('GET', p .. 'm:' .. sid)
+    if raw then
+      local man = cmsgpack.unpack(raw)
+      for l = 0, man[2] - 1 do server.call('DEL', p .. 's:' .. sid .. ':' .. l) end
+      for _, key in ipairs(man[3]) do
+        local t = server.call('GET', key)
+        if t and cmsgpack.unpack(t)[2] == sid then server.call('DEL', key) end
+      end
+      server.call('DEL', p .. 'm:' .. sid)
+      used = used - man[1]
+      server.call('DECRBY', p .. 'used', man[1])
+    end
+    server.call('ZREM', p .. 'lru', sid)
+  end
+end
+server.call('INCRBY', p .. 'used', need)
+return 1
+"""
+
+# Release one lease on each key in KEYS.
+_RELEASE_LUA = """
+for _, k in ipairs(KEYS) do
+  if server.call('EXISTS', k) == 1 and server.call('DECR', k) <= 0 then server.call('DEL', k) end
+end
+return 1
+"""
 
 
 class ValkeyBackend(Backend):
@@ -26,15 +77,17 @@ class ValkeyBackend(Backend):
 
     Args:
         url: ``valkey://host:port[/db]``.
-        timeout_s: deadline of every call (socket connect and read timeout), seconds.
+        timeout_s: deadline of every call, seconds (the whole call, not one socket read).
+        capacity_bytes: Range's byte budget for stripes on this server (``None``: none; the server's memory limit
+            is then the only bound).
 
     Raises:
-        BackendError: the server does not answer at construction (start-up errors name the URL).
+        BackendError: the URL is unusable or the server does not answer at construction.
     """
 
     is_shared = True
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 5.0, capacity_bytes: int | None = None) -> None:
         self.url = url
         self.timeout_s = timeout_s
         try:
@@ -51,27 +104,27 @@ class ValkeyBackend(Backend):
             max_bulk = DEFAULT_MAX_BULK_BYTES
         except (vex.ConnectionError, vex.TimeoutError, OSError) as exc:
             raise BackendError(f"{url}: Valkey server does not answer ({exc})") from exc
-        super().__init__(url, max_bulk)
+        super().__init__(url, max_bulk - 1024, capacity_bytes)
+        self._reserve = self._client.register_script(_RESERVE_LUA)
+        self._release = self._client.register_script(_RELEASE_LUA)
 
-    def _run(self, commands: int, fill) -> list:
-        """Execute one pipeline within ``timeout_s`` for the whole call.
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, commands: int, fn):
+        """Run ``fn()`` (one round trip) within ``timeout_s`` for the whole call.
 
-        The socket timeout bounds each read; a server that trickles its reply byte by byte would pass it, so the
-        pipeline runs in a helper thread and the caller stops waiting at the deadline. The connections are then
-        dropped (the late reply can never be read by a later call) and the helper thread ends with an error that
-        nobody waits for.
+        The socket timeout bounds each read; a server that trickles its reply would pass it, so the call runs in a
+        helper thread and the caller stops waiting at the deadline, dropping the connections (a late reply can
+        never be read by a later call).
         """
-        pipe = self._client.pipeline(transaction=False)
-        fill(pipe)
-        done: Future[list] = Future()
+        done: Future = Future()
 
-        def execute() -> None:
+        def run() -> None:
             try:
-                done.set_result(pipe.execute(raise_on_error=True))
+                done.set_result(fn())
             except BaseException as exc:  # handed to the caller through the future
                 done.set_exception(exc)
 
-        threading.Thread(target=execute, name="range-valkey-call", daemon=True).start()
+        threading.Thread(target=run, name="range-valkey-call", daemon=True).start()
         try:
             out = done.result(timeout=self.timeout_s)
         except TimeoutError as exc:
@@ -84,37 +137,108 @@ class ValkeyBackend(Backend):
         self._count(round_trips=1, commands=commands)
         return out
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        if not keys:
-            return 0
-        found = self._run(len(keys), lambda p: [p.exists(k) for k in keys])
-        for n, present in enumerate(found):
-            if not present:
-                return n
-        return len(keys)
+    def _pipeline(self, commands: int, fill) -> list:
+        def run() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            fill(pipe)
+            return pipe.execute(raise_on_error=True)
 
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
-        if not items:
-            return
-        self._check_sizes(items)
-        views = [(k, _byte_view(v)) for k, v in items]
-        self._run(len(items), lambda p: [p.set(k, v) for k, v in views])
-        self._count(bytes_written=sum(memoryview(v).nbytes for _, v in items))
+        return self._call(commands, run)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    # ------------------------------------------------------------------ protocol
+    def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        out = self._run(len(keys), lambda p: [p.get(k) for k in keys])
-        self._count(bytes_read=sum(len(v) for v in out if v is not None), allocations=len(keys))
+        return self._call(1, lambda: self._client.mget(list(keys)))
+
+    def write_stripe(self, write: StripeWrite) -> bool:
+        self._check_write(write)
+        need = write.nbytes
+        sid = write.stripe_id
+        if self.capacity_bytes is not None:
+            ok = self._call(1, lambda: self._reserve(args=[need, self.capacity_bytes, PREFIX]))
+            if not int(ok):
+                return False
+        manifest = msgpack.packb([need, len(write.layer_values), [k for k, _ in write.tickets]])
+        views = [_byte_view(v) for v in write.layer_values]
+
+        def fill(p) -> None:
+            for layer_idx, view in enumerate(views):
+                p.set(f"{PREFIX}s:{sid}:{layer_idx}", view)
+            p.set(f"{PREFIX}m:{sid}", manifest)
+            p.zadd(f"{PREFIX}lru", {sid: time.time()})
+            if self.capacity_bytes is None:
+                p.incrby(f"{PREFIX}used", need)
+            if write.tickets:  # published last: a reader that sees a ticket finds its stripe
+                p.mset(dict(write.tickets))
+
+        try:
+            self._pipeline(len(views) + 3 + bool(write.tickets), fill)
+        except BackendError:
+            if self.capacity_bytes is not None:  # give the reservation back; a partial stripe has no tickets
+                try:
+                    self._call(1, lambda: self._client.decrby(f"{PREFIX}used", need))
+                except BackendError:
+                    pass
+            raise
+        self._count(bytes_written=need)
+        return True
+
+    def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
+        if not reads:
+            return []
+
+        def fill(p) -> None:
+            for r in reads:
+                key = f"{PREFIX}s:{r.stripe_id}:{r.layer_idx}"
+                if r.offset == 0 and r.length == r.value_bytes:
+                    p.get(key)
+                else:
+                    p.getrange(key, r.offset, r.offset + r.length - 1)
+
+        replies = self._pipeline(len(reads), fill)
+        out = []
+        nbytes = 0
+        for r, data in zip(reads, replies):
+            if not data:  # GET of a missing key is nil; GETRANGE of one is ""
+                out.append(False)
+                continue
+            if len(data) != r.length:
+                raise ValueError(f"{self.url}: stripe {r.stripe_id} layer {r.layer_idx} returned {len(data)} bytes "
+                                 f"for the range [{r.offset}, {r.offset + r.length})")
+            r.dest[:] = data
+            nbytes += len(data)
+            out.append(True)
+        self._count(bytes_read=nbytes, allocations=len(reads), copy_launches=len(reads))
         return out
 
-    def delete_many(self, keys: Sequence[bytes]) -> int:
-        if not keys:
-            return 0
-        return int(self._run(1, lambda p: p.delete(*keys))[0])
+    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
+        if not stripe_ids:
+            return
+        ttl_ms = max(1, int(ttl_s * 1000))
+        now = time.time()
+
+        def fill(p) -> None:
+            for sid in stripe_ids:
+                p.incr(f"{PREFIX}l:{sid}")
+                p.pexpire(f"{PREFIX}l:{sid}", ttl_ms)
+            p.zadd(f"{PREFIX}lru", {sid: now for sid in stripe_ids}, xx=True)
+
+        self._pipeline(2 * len(stripe_ids) + 1, fill)
+
+    def release(self, stripe_ids: Sequence[str]) -> None:
+        if stripe_ids:
+            self._call(1, lambda: self._release(keys=[f"{PREFIX}l:{sid}" for sid in stripe_ids]))
+
+    def delete_tickets(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._call(1, lambda: self._client.delete(*keys))
+
+    def used_bytes(self) -> int:
+        return int(self._call(1, lambda: self._client.get(f"{PREFIX}used")) or 0)
 
     def ping(self) -> None:
-        self._run(1, lambda p: p.ping())
+        self._call(1, self._client.ping)
 
     def close(self) -> None:
         self._client.close()

@@ -5,13 +5,13 @@ SPEC.json OUT.json``. Steps:
 
 * ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": N}`` -> ``{"token_ids": [[...], ...],
   "external_hits": tokens, "external_queries": tokens}`` (deltas of vLLM's own counters);
-* ``{"op": "last_loads"}`` -> block ids the connector wrote in its last loading step, with their digests read from
-  the engine's KV cache;
+* ``{"op": "last_loads"}`` -> block ids the connector wrote since the previous ``last_loads``, with their digests
+  read from the engine's KV cache;
 * ``{"op": "block_digests"}`` -> digests of every non-zero block of the engine's KV cache;
 * ``{"op": "digests", "block_ids": [...]}``; ``{"op": "reset_prefix_cache"}``; ``{"op": "sleep", "seconds": s}``;
 * ``{"op": "signal_servers", "runtime_dir": d, "signal": "STOP" | "CONT" | "KILL"}`` (embedded Valkey servers);
-* ``{"op": "corrupt", "url": valkey URL, "byte_offset": n}`` -> flips one payload byte of the first value the
-  connector read in its last loading step (the first block of that value changes).
+* ``{"op": "corrupt", "url": valkey URL, "byte_offset": n}`` -> flips one byte of layer 0 of the first chunk the
+  connector read in its last loading step (inside the chunk's first block, in the stripe's value).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    import msgpack
+
     from range_connector import debug
-    from range_connector.values import HEADER_BYTES
 
     spec = json.load(open(spec_path))
     ktc = None
@@ -68,7 +69,7 @@ def main(spec_path: str, out_path: str) -> None:
                 "elapsed_s": time.monotonic() - t0,
             })
         elif op == "last_loads":
-            ids = llm.collective_rpc(debug.connector_last_loaded_block_ids)[0]
+            ids = llm.collective_rpc(debug.connector_loaded_block_ids)[0]
             digests = llm.collective_rpc(debug.engine_block_digests, args=(ids,))[0]
             results.append({"block_ids": ids, "digests": [digests[b] for b in ids]})
         elif op == "block_digests":
@@ -81,12 +82,15 @@ def main(spec_path: str, out_path: str) -> None:
             import valkey
 
             client = valkey.Valkey.from_url(step["url"])
-            key = llm.collective_rpc(debug.connector_last_loaded_keys)[0][0].encode()
-            offset = HEADER_BYTES + step.get("byte_offset", 0)
+            _shard, tkey = llm.collective_rpc(debug.connector_last_loaded_tickets)[0][0]
+            # A ticket is [version, stripe_id, block_offset, num_blocks, stripe_blocks, layers, planes, row_bytes, ...]
+            ticket = msgpack.unpackb(client.get(tkey))
+            key = f"rc2:s:{ticket[1]}:0"  # layer 0 of the stripe
+            offset = ticket[2] * ticket[7] + step.get("byte_offset", 0)  # inside the chunk's first block
             value = bytearray(client.get(key))
             value[offset] ^= 0xFF
             client.set(key, bytes(value))
-            results.append({"key": key.decode(), "offset": offset})
+            results.append({"key": key, "offset": offset})
         elif op == "signal_servers":
             from range_connector.valkey_servers import server_status
 

@@ -1,0 +1,373 @@
+"""A minimal RESP2 connection for the bulk data path: pipelined requests, replies read straight into caller buffers.
+
+One call is one round trip: the commands are encoded into one list of buffers (large arguments such as SET payloads
+by reference, never concatenated) sent with ``sendmsg``; bulk replies are then received with ``recv_into`` directly
+into the caller's buffers (only bytes that arrived with the previous reply's tail are copied from the read buffer).
+Each call has one absolute ``time.monotonic()`` deadline that bounds every socket operation, so a trickling server
+cannot stretch it. A timeout, lost connection, protocol error or too-large reply closes the connection (it is out of
+sync); error replies do not: the remaining replies are read, then :class:`RespCommandError` is raised. A connection
+is not thread-safe; :class:`RespPool` lends one per thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from range_connector.errors import BackendError, BackendTimeoutError
+
+Arg = bytes | bytearray | memoryview | str | int
+
+_INLINE_MAX_BYTES = 16 * 1024  # arguments at least this long are sent by reference, not copied into the header
+_IOV_MAX = 1024  # Linux limit on buffers per sendmsg call
+_READ_BUFFER_BYTES = 1024 * 1024  # many small replies per recv; smaller buffers or header-sized recvs were no faster
+_TIMEOUT_SLACK_S = 0.01  # a socket operation may end this much after the deadline
+
+
+class RespCommandError(BackendError):
+    """The server answered one or more commands of a call with an error reply; the connection stays usable.
+
+    Attributes:
+        errors: ``[(command_idx, message), ...]`` for the commands that failed.
+        results: what the call would have returned, with ``None`` at the failed commands.
+    """
+
+    def __init__(self, server: str, errors: list[tuple[int, str]], results: list) -> None:
+        idx, message = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        super().__init__(f"{server}: command {idx} failed: {message}{more}")
+        self.errors = errors
+        self.results = results
+
+
+class RespReplyTooLargeError(BackendError):
+    """A bulk reply is longer than the buffer given for it; the connection has been closed."""
+
+
+class RespConnection:
+    """One TCP connection to a RESP2 server (Valkey/Redis).
+
+    Args:
+        host: server address.
+        port: TCP port.
+        timeout_s: connect timeout, and the default deadline of calls that do not pass one, seconds.
+
+    Attributes:
+        round_trips: calls whose requests were sent (one per ``execute``/``execute_into``).
+        commands_sent: commands sent over the connection's lifetime.
+        closed: whether the connection was closed (by :meth:`close` or after a failure).
+
+    Raises:
+        BackendError: the server cannot be reached (message names ``host:port``).
+        BackendTimeoutError: connecting took longer than ``timeout_s``.
+    """
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self.server = f"{host}:{port}"
+        self.timeout_s = timeout_s
+        self.round_trips = self.commands_sent = 0
+        self.closed = False
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        except TimeoutError as exc:
+            raise BackendTimeoutError(f"{self.server}: connect timed out after {timeout_s:g} s") from exc
+        except OSError as exc:
+            raise BackendError(f"{self.server}: cannot connect: {exc}") from exc
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock_timeout_s = timeout_s
+        self._buf = bytearray(_READ_BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # unread bytes are _buf[_start:_end]
+
+    def close(self) -> None:
+        """Close the socket; later calls raise :class:`BackendError`. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self._sock.close()
+
+    def execute_into(
+        self, commands: Sequence[Sequence[Arg]], dests: Sequence[memoryview | None], *, deadline_s: float
+    ) -> list[int]:
+        """Send ``commands`` in one pipeline and read each reply, bulk payloads directly into ``dests``.
+
+        Args:
+            commands: ``[num_commands]`` commands, each ``[name, *args]``; large ``memoryview`` args are sent
+                without copying.
+            dests: ``[num_commands]`` writable contiguous buffers (any format; viewed as bytes) receiving the
+                command's bulk reply, or ``None`` to discard it.
+            deadline_s: absolute ``time.monotonic()`` deadline of the whole call, seconds.
+
+        Returns:
+            ``[num_commands]``: for a bulk reply its length in bytes (written to ``dests[i][:length]``, or
+            discarded), ``-1`` for nil, the value of an integer reply, ``0`` for a simple string, the element
+            count of an array (elements discarded).
+
+        Raises:
+            ValueError: ``dests`` does not match ``commands``, a dest is read-only, or an arg is not contiguous.
+            RespCommandError: error replies (raised after every reply was read).
+            RespReplyTooLargeError: a bulk reply does not fit its dest (connection closed).
+            BackendTimeoutError: the deadline passed (connection closed).
+            BackendError: connection lost or protocol error (connection closed).
+        """
+        if len(dests) != len(commands):
+            raise ValueError(f"{len(commands)} commands but {len(dests)} dests")
+        views = [None if d is None else _byte_view(d, writable=True) for d in dests]
+        return self._call(commands, views, deadline_s, parse=False)
+
+    def execute(self, commands: Sequence[Sequence[Arg]], *, deadline_s: float | None = None) -> list:
+        """Send ``commands`` in one pipeline and return their parsed replies (for small replies: MGET, INFO...).
+
+        Args:
+            commands: ``[num_commands]`` commands, each ``[name, *args]``.
+            deadline_s: absolute ``time.monotonic()`` deadline; default ``timeout_s`` from now.
+
+        Returns:
+            ``[num_commands]`` replies: bulk strings as ``bytes``, simple strings as ``str``, integers as ``int``,
+            nil as ``None``, arrays as lists (an error element as a :class:`BackendError` instance).
+
+        Raises:
+            The same as :meth:`execute_into` (but never :class:`RespReplyTooLargeError`).
+        """
+        if deadline_s is None:
+            deadline_s = time.monotonic() + self.timeout_s
+        return self._call(commands, [None] * len(commands), deadline_s, parse=True)
+
+    def _call(self, commands: Sequence[Sequence[Arg]], dests: list, deadline_s: float, *, parse: bool) -> list:
+        if self.closed:
+            raise BackendError(f"{self.server}: connection is closed")
+        pieces = _encode(commands)
+        results: list = []
+        errors: list[tuple[int, str]] = []
+        try:
+            self._send(pieces, deadline_s)
+            self.round_trips += 1
+            self.commands_sent += len(commands)
+            for idx, dest in enumerate(dests):
+                reply = self._read_reply(dest, deadline_s, parse)
+                if isinstance(reply, _ErrorReply):
+                    errors.append((idx, str(reply)))
+                    reply = None
+                results.append(reply)
+        except TimeoutError as exc:
+            self.close()
+            raise BackendTimeoutError(
+                f"{self.server}: no complete reply within the deadline ({len(results)} of {len(commands)} read)"
+            ) from exc
+        except RespReplyTooLargeError:
+            self.close()
+            raise
+        except (OSError, ValueError, BackendError) as exc:  # ValueError: a malformed length
+            self.close()
+            raise BackendError(f"{self.server}: {type(exc).__name__}: {exc}") from exc
+        except BaseException:  # e.g. KeyboardInterrupt mid-reply: the stream is out of sync
+            self.close()
+            raise
+        if errors:
+            raise RespCommandError(self.server, errors, results)
+        return results
+
+    def _settimeout(self, deadline_s: float) -> None:
+        """Bound the next socket operation by the deadline (re-armed only when it would overshoot by > slack)."""
+        remaining_s = deadline_s - time.monotonic()
+        if remaining_s <= 0:
+            raise TimeoutError("deadline passed")
+        if not remaining_s <= self._sock_timeout_s <= remaining_s + _TIMEOUT_SLACK_S:
+            self._sock.settimeout(remaining_s)  # costs two fcntl calls, so not before every recv
+            self._sock_timeout_s = remaining_s
+
+    def _send(self, pieces: list[memoryview], deadline_s: float) -> None:
+        idx = 0
+        while idx < len(pieces):
+            self._settimeout(deadline_s)
+            sent = self._sock.sendmsg(pieces[idx : idx + _IOV_MAX])
+            while sent:
+                size = pieces[idx].nbytes
+                if sent < size:
+                    pieces[idx] = pieces[idx][sent:]
+                    break
+                sent -= size
+                idx += 1
+
+    def _fill(self, deadline_s: float) -> None:
+        """Receive more bytes into the read buffer (compacting it first)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._start > 0:
+            n = self._end - self._start
+            self._view[:n] = self._view[self._start : self._end]
+            self._start, self._end = 0, n
+        if self._end == len(self._buf):
+            raise BackendError(f"reply line longer than {len(self._buf)} bytes")
+        self._end += self._recv_into(self._view[self._end :], deadline_s)
+
+    def _recv_into(self, view: memoryview, deadline_s: float) -> int:
+        self._settimeout(deadline_s)
+        received = self._sock.recv_into(view)
+        if received == 0:
+            raise BackendError("server closed the connection")
+        return received
+
+    def _readline(self, deadline_s: float) -> bytearray:
+        while True:
+            eol = self._buf.find(b"\r\n", self._start, self._end)
+            if eol >= 0:
+                line = self._buf[self._start : eol]
+                self._start = eol + 2
+                return line
+            self._fill(deadline_s)
+
+    def _read_exact(self, dest: memoryview | None, size: int, deadline_s: float) -> None:
+        """Read ``size`` payload bytes plus CRLF into ``dest`` (or discard them when ``dest`` is None)."""
+        done = 0
+        if dest is not None:
+            done = min(size, self._end - self._start)
+            dest[:done] = self._view[self._start : self._start + done]
+            self._start += done
+            while done < size:  # the rest goes straight from the socket into dest
+                done += self._recv_into(dest[done:size], deadline_s)
+        skip = size - done
+        while skip:
+            if self._start == self._end:
+                self._fill(deadline_s)
+            step = min(skip, self._end - self._start)
+            self._start += step
+            skip -= step
+        while self._end - self._start < 2:
+            self._fill(deadline_s)
+        if self._buf[self._start] != 13 or self._buf[self._start + 1] != 10:
+            raise BackendError("bulk reply not terminated by CRLF")
+        self._start += 2
+
+    def _read_reply(self, dest: memoryview | None, deadline_s: float, parse: bool) -> object:
+        line = self._readline(deadline_s)
+        kind, body = line[:1], line[1:]
+        if kind == b"$":
+            size = int(body)
+            if size < 0:
+                return None if parse else -1
+            if parse:
+                payload = memoryview(bytearray(size))
+                self._read_exact(payload, size, deadline_s)
+                return bytes(payload)
+            if dest is not None and size > dest.nbytes:
+                raise RespReplyTooLargeError(f"{self.server}: bulk reply of {size} bytes for a {dest.nbytes}-byte dest")
+            self._read_exact(dest, size, deadline_s)
+            return size
+        if kind == b":":
+            return int(body)
+        if kind == b"+":
+            return body.decode() if parse else 0
+        if kind == b"-":
+            return _ErrorReply(body.decode(errors="replace"))
+        if kind == b"*":
+            count = int(body)
+            if count < 0:
+                return None if parse else -1
+            items = [self._read_reply(None, deadline_s, parse) for _ in range(count)]
+            return [BackendError(i) if isinstance(i, _ErrorReply) else i for i in items] if parse else count
+        raise BackendError(f"unexpected reply type {line[:16]!r}")
+
+
+class _ErrorReply(str):
+    """The message of an error reply (``-ERR ...``), kept apart from simple strings."""
+
+
+def _byte_view(buffer: bytes | bytearray | memoryview, *, writable: bool = False) -> memoryview:
+    """A flat ``uint8`` view of a C-contiguous buffer (ValueError if it is not, or is read-only when ``writable``)."""
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError("RESP buffers must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError("a RESP destination buffer must be writable")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def _encode(commands: Sequence[Sequence[Arg]]) -> list[memoryview]:
+    """Encode commands as RESP arrays of bulk strings: small parts copied into headers, large args by reference."""
+    pieces: list[memoryview] = []
+    out = bytearray()
+    for command in commands:
+        out += b"*%d\r\n" % len(command)
+        for arg in command:
+            if isinstance(arg, int):
+                arg = b"%d" % arg
+            elif isinstance(arg, str):
+                arg = arg.encode()
+            view = _byte_view(arg)
+            out += b"$%d\r\n" % view.nbytes
+            if view.nbytes >= _INLINE_MAX_BYTES:
+                pieces += (memoryview(out), view)
+                out = bytearray(b"\r\n")
+            else:
+                out += view
+                out += b"\r\n"
+    pieces.append(memoryview(out))
+    return pieces
+
+
+class RespPool:
+    """Up to ``max_connections`` connections to one server, shared by threads; closed ones are replaced lazily.
+
+    Args:
+        host: server address.
+        port: TCP port.
+        timeout_s: connect timeout and default call deadline, seconds.
+        max_connections: how many connections may be open (and in use) at once.
+
+    Attributes:
+        round_trips: calls made through connections returned to the pool.
+        commands_sent: commands sent through connections returned to the pool.
+    """
+
+    def __init__(self, host: str, port: int, timeout_s: float, max_connections: int = 2) -> None:
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.round_trips = self.commands_sent = 0
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._idle: list[RespConnection] = []
+        self._closed = False
+
+    @contextlib.contextmanager
+    def connection(self, wait_s: float | None = None) -> Iterator[RespConnection]:
+        """Borrow a connection for the duration of a ``with`` block (opened now if none is idle).
+
+        Args:
+            wait_s: how long to wait for a free slot, seconds; default the pool's ``timeout_s``.
+
+        Raises:
+            BackendTimeoutError: no connection became free in time.
+            BackendError: a new connection could not be opened.
+        """
+        if self._closed:
+            raise BackendError(f"{self.host}:{self.port}: the connection pool is closed")
+        if not self._slots.acquire(timeout=self.timeout_s if wait_s is None else wait_s):
+            raise BackendTimeoutError(f"{self.host}:{self.port}: no free connection in the pool")
+        try:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = RespConnection(self.host, self.port, self.timeout_s)
+            before = (conn.round_trips, conn.commands_sent)
+            try:
+                yield conn
+            finally:
+                with self._lock:
+                    self.round_trips += conn.round_trips - before[0]
+                    self.commands_sent += conn.commands_sent - before[1]
+                    if self._closed:
+                        conn.close()
+                    elif not conn.closed:
+                        self._idle.append(conn)
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        """Close the idle connections, and borrowed ones when they are returned; later borrows raise."""
+        with self._lock:
+            self._closed = True
+            for conn in self._idle:
+                conn.close()
+            self._idle.clear()

@@ -1,0 +1,281 @@
+"""RespConnection / RespPool against a real Valkey server (and two fake servers for trickling and garbage replies).
+
+Servers come from the ``valkey_servers`` (shared, never frozen) and ``dedicated_valkey`` (this test only)
+fixtures of ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from urllib.parse import urlparse
+
+import pytest
+
+from range_connector.backends.resp import RespCommandError, RespConnection, RespPool, RespReplyTooLargeError
+from range_connector.errors import BackendError, BackendTimeoutError
+
+MiB = 1 << 20
+
+
+def _address(url: str) -> tuple[str, int]:
+    parsed = urlparse(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or 6379
+
+
+def _deadline(seconds: float = 10.0) -> float:
+    return time.monotonic() + seconds
+
+
+@pytest.fixture
+def conn(valkey_servers) -> Iterator[RespConnection]:
+    connection = RespConnection(*_address(valkey_servers.urls[0]), timeout_s=10.0)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+@pytest.mark.timeout(30)
+def test_set_16mib_memoryview_then_get_into_bytearray_slice_is_byte_exact(conn: RespConnection) -> None:
+    payload = random.Random(1).randbytes(16 * MiB)
+    source = bytearray(b"\xaa" * 100) + payload  # the value is a slice of a larger buffer
+    dest = bytearray(b"\x55" * (16 * MiB + 200))
+
+    assert conn.execute_into([[b"SET", b"resp:big", memoryview(source)[100:]]], [None], deadline_s=_deadline()) == [0]
+    lengths = conn.execute_into([[b"GET", b"resp:big"]], [memoryview(dest)[64:]], deadline_s=_deadline())
+
+    assert lengths == [16 * MiB]
+    assert dest[64 : 64 + 16 * MiB] == payload
+    assert dest[:64] == b"\x55" * 64 and dest[64 + 16 * MiB :] == b"\x55" * 136
+    assert (conn.round_trips, conn.commands_sent) == (2, 2)
+
+
+@pytest.mark.timeout(30)
+def test_getrange_at_odd_offsets_lands_in_dests(conn: RespConnection) -> None:
+    value = random.Random(2).randbytes(3 * MiB + 7)
+    conn.execute_into([[b"SET", b"resp:ranged", value]], [None], deadline_s=_deadline())
+    ranges = [(1, 1), (3, 65_539), (1_000_001, 2_500_003), (3 * MiB, 3 * MiB + 6)]  # inclusive ends
+    dest = bytearray(sum(end - start + 1 for start, end in ranges))
+    views, offset = [], 0
+    for start, end in ranges:
+        views.append(memoryview(dest)[offset : offset + end - start + 1])
+        offset += end - start + 1
+
+    lengths = conn.execute_into(
+        [[b"GETRANGE", b"resp:ranged", start, end] for start, end in ranges], views, deadline_s=_deadline()
+    )
+
+    assert lengths == [end - start + 1 for start, end in ranges]
+    assert bytes(dest) == b"".join(value[start : end + 1] for start, end in ranges)
+
+
+@pytest.mark.timeout(30)
+def test_missing_key_is_nil_and_leaves_dest_untouched(conn: RespConnection) -> None:
+    dest = bytearray(b"\x11" * 32)
+
+    lengths = conn.execute_into(
+        [[b"GET", b"resp:missing"], [b"GETRANGE", b"resp:missing", 0, 9]],
+        [memoryview(dest), None],
+        deadline_s=_deadline(),
+    )
+
+    assert lengths == [-1, 0]  # GETRANGE of a missing key is an empty string, not nil
+    assert dest == b"\x11" * 32
+
+
+@pytest.mark.timeout(30)
+def test_mget_and_small_commands_via_execute(conn: RespConnection) -> None:
+    conn.execute([[b"DEL", b"resp:m1", b"resp:m2"], [b"SET", b"resp:m1", b"one"], [b"SET", b"resp:m2", b""]])
+
+    replies = conn.execute(
+        [[b"MGET", b"resp:m1", b"resp:missing", b"resp:m2"], [b"EXISTS", b"resp:m1", b"resp:m2"], [b"PING"]]
+    )
+
+    assert replies == [[b"one", None, b""], 2, "PONG"]
+
+
+@pytest.mark.timeout(30)
+def test_error_reply_raises_after_the_whole_pipeline_and_connection_stays_in_sync(conn: RespConnection) -> None:
+    conn.execute([[b"DEL", b"resp:list"], [b"RPUSH", b"resp:list", b"x"], [b"SET", b"resp:str", b"after"]])
+    dest = bytearray(16)
+
+    with pytest.raises(RespCommandError, match="WRONGTYPE") as info:
+        conn.execute_into(
+            [[b"GET", b"resp:list"], [b"GET", b"resp:str"]],
+            [memoryview(dest), memoryview(dest)[8:]],
+            deadline_s=_deadline(),
+        )
+
+    assert [idx for idx, _ in info.value.errors] == [0]
+    assert info.value.results == [None, 5]
+    assert dest[8:13] == b"after"  # the reply after the error was still read
+    assert not conn.closed
+    assert conn.execute([[b"GET", b"resp:str"], [b"PING"]]) == [b"after", "PONG"]
+    with pytest.raises(RespCommandError, match="unknown command"):
+        conn.execute([[b"NOSUCHCOMMAND"], [b"PING"]])
+    assert conn.execute([[b"PING"]]) == ["PONG"]
+
+
+@pytest.mark.timeout(30)
+def test_dest_too_small_raises_and_pool_reconnects(valkey_servers) -> None:
+    pool = RespPool(*_address(valkey_servers.urls[0]), timeout_s=10.0)
+    try:
+        with pool.connection() as conn:
+            conn.execute([[b"SET", b"resp:hundred", b"h" * 100]])
+            with pytest.raises(RespReplyTooLargeError, match="100 bytes"):
+                conn.execute_into([[b"GET", b"resp:hundred"]], [memoryview(bytearray(99))], deadline_s=_deadline())
+            assert conn.closed
+            with pytest.raises(BackendError, match="closed"):
+                conn.execute([[b"PING"]])
+        with pool.connection() as fresh:
+            assert fresh is not conn
+            dest = bytearray(100)
+            assert fresh.execute_into([[b"GET", b"resp:hundred"]], [memoryview(dest)], deadline_s=_deadline()) == [100]
+        assert (pool.round_trips, pool.commands_sent) == (3, 3)  # nothing is sent on a closed connection
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(30)
+def test_pool_serves_two_threads(valkey_servers) -> None:
+    pool = RespPool(*_address(valkey_servers.urls[0]), timeout_s=10.0, max_connections=2)
+    values = {b"resp:t%d" % i: os.urandom(MiB) for i in range(8)}
+    errors: list[BaseException] = []
+
+    def worker(keys: list[bytes]) -> None:
+        try:
+            dest = bytearray(MiB)
+            for key in keys:
+                with pool.connection() as conn:
+                    conn.execute_into([[b"SET", key, values[key]]], [None], deadline_s=_deadline())
+                    assert conn.execute_into([[b"GET", key]], [memoryview(dest)], deadline_s=_deadline()) == [MiB]
+                assert dest == values[key]
+        except BaseException as exc:  # reported to the main thread
+            errors.append(exc)
+
+    keys = sorted(values)
+    threads = [threading.Thread(target=worker, args=(keys[i::2],)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert not errors, errors
+        assert (pool.round_trips, pool.commands_sent) == (16, 16)
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(30)
+def test_frozen_server_raises_timeout_within_deadline(dedicated_valkey) -> None:
+    host, port = _address(dedicated_valkey.urls[0])
+    pid = dedicated_valkey.pids[0]
+    reader = RespConnection(host, port, timeout_s=5.0)
+    writer = RespConnection(host, port, timeout_s=5.0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(BackendTimeoutError, match=f"{host}:{port}"):
+            reader.execute_into([[b"GET", b"k"]], [memoryview(bytearray(8))], deadline_s=started + 1.0)
+        assert time.monotonic() - started < 1.5
+        assert reader.closed
+
+        started = time.monotonic()  # a large SET blocks in send once the socket buffers are full
+        with pytest.raises(BackendTimeoutError):
+            writer.execute_into([[b"SET", b"k", memoryview(bytearray(64 * MiB))]], [None], deadline_s=started + 1.0)
+        assert time.monotonic() - started < 1.5
+        assert writer.closed
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        reader.close()
+        writer.close()
+
+
+class _FakeServer:
+    """A loopback server that answers every request with ``reply``, one chunk per ``interval_s``."""
+
+    def __init__(self, reply: bytes, chunk_bytes: int, interval_s: float) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._reply, self._chunk_bytes, self._interval_s = reply, chunk_bytes, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with self._listener, self._listener.accept()[0] as client:
+            client.recv(65536)
+            for offset in range(0, len(self._reply), self._chunk_bytes):
+                if self._stop.wait(self._interval_s):
+                    return
+                client.sendall(self._reply[offset : offset + self._chunk_bytes])
+            self._stop.wait(5)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.mark.timeout(30)
+def test_trickling_reply_cannot_stretch_the_deadline() -> None:
+    server = _FakeServer(b"$8\r\nslowslow\r\n", chunk_bytes=1, interval_s=0.2)  # 14 bytes: 2.8 s in all
+    conn = RespConnection("127.0.0.1", server.port, timeout_s=5.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(BackendTimeoutError, match="no complete reply"):
+            conn.execute_into([[b"GET", b"k"]], [memoryview(bytearray(8))], deadline_s=started + 1.0)
+        assert time.monotonic() - started < 1.5
+    finally:
+        conn.close()
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_garbage_reply_raises_backend_error_and_closes() -> None:
+    server = _FakeServer(b"?what\r\n", chunk_bytes=64, interval_s=0.0)
+    conn = RespConnection("127.0.0.1", server.port, timeout_s=5.0)
+    try:
+        with pytest.raises(BackendError, match=f"127.0.0.1:{server.port}.*unexpected reply type"):
+            conn.execute([[b"PING"]])
+        assert conn.closed
+    finally:
+        conn.close()
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_closed_port_raises_backend_error_naming_the_server() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # free once the probe closes
+
+    with pytest.raises(BackendError, match=f"127.0.0.1:{port}"):
+        RespConnection("127.0.0.1", port, timeout_s=2.0)
+
+
+@pytest.mark.timeout(30)
+def test_server_command_count_equals_commands_sent(
+    conn: RespConnection, valkey_servers, server_commandstats: Callable[[str], dict[str, int]]
+) -> None:
+    url = valkey_servers.urls[0]
+    names = ("set", "get", "getrange", "mget", "exists", "del")
+    before = server_commandstats(url)
+    dest = bytearray(4 * MiB)
+    keys = [b"resp:count:%d" % i for i in range(20)]
+
+    conn.execute_into([[b"SET", key, memoryview(dest)[: 1000 * i]] for i, key in enumerate(keys)],
+                      [None] * 20, deadline_s=_deadline())
+    conn.execute_into([[b"GET", key] for key in keys] + [[b"GETRANGE", keys[5], 1, 100]],
+                      [memoryview(dest)] * 21, deadline_s=_deadline())
+    conn.execute([[b"MGET", *keys[:3]], [b"EXISTS", *keys], [b"DEL", *keys]])
+
+    after = server_commandstats(url)
+    delta = {name: after.get(name, 0) - before.get(name, 0) for name in names}
+    assert delta == {"set": 20, "get": 20, "getrange": 1, "mget": 1, "exists": 1, "del": 1}
+    assert sum(delta.values()) == conn.commands_sent == 44
+    assert conn.round_trips == 3
