@@ -22,6 +22,7 @@ import valkey
 import valkey.exceptions as vex
 
 from range_connector.backends.base import Backend, Buffer, RangeRead, StripeWrite
+from range_connector.backends.resp import RespPool, RespReplyTooLargeError
 from range_connector.errors import BackendError, BackendTimeoutError
 
 #: Valkey's default ``proto-max-bulk-len`` (bytes), used when the server does not let us read it.
@@ -107,6 +108,15 @@ class ValkeyBackend(Backend):
         super().__init__(url, max_bulk - 1024, capacity_bytes)
         self._reserve = self._client.register_script(_RESERVE_LUA)
         self._release = self._client.register_script(_RELEASE_LUA)
+        # The bulk data path (stripe values, tickets) goes through our own RESP connection, which reads replies
+        # straight into the caller's buffers: measured here 3.6-4.1 GiB/s from one loopback server against about
+        # 0.5 GiB/s for valkey-py's parser (which allocates a bytes object per reply that must then be copied).
+        # valkey-py stays for scripts and small commands, and for URLs the RESP path does not handle (unix
+        # sockets, authentication, a database other than 0).
+        kw = self._client.connection_pool.connection_kwargs
+        self._resp: RespPool | None = None
+        if "host" in kw and not kw.get("password") and not kw.get("username") and int(kw.get("db", 0) or 0) == 0:
+            self._resp = RespPool(kw["host"], int(kw.get("port", 6379)), timeout_s, max_connections=2)
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, commands: int, fn):
@@ -146,9 +156,26 @@ class ValkeyBackend(Backend):
         return self._call(commands, run)
 
     # ------------------------------------------------------------------ protocol
+    def _resp_run(self, commands: list, dests: list | None = None) -> list:
+        """One pipeline on the RESP path within ``timeout_s`` (bulk replies into ``dests`` when given)."""
+        assert self._resp is not None
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            with self._resp.connection(wait_s=self.timeout_s) as conn:
+                if dests is None:
+                    out = conn.execute(commands, deadline_s=deadline)
+                else:
+                    out = conn.execute_into(commands, dests, deadline_s=deadline)
+        except RespReplyTooLargeError as exc:
+            raise ValueError(f"{self.url}: a stored value is larger than its ticket says ({exc})") from exc
+        self._count(round_trips=1, commands=len(commands))
+        return out
+
     def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
+        if self._resp is not None:
+            return self._resp_run([(b"MGET", *keys)])[0]
         return self._call(1, lambda: self._client.mget(list(keys)))
 
     def write_stripe(self, write: StripeWrite) -> bool:
@@ -161,6 +188,21 @@ class ValkeyBackend(Backend):
                 return False
         manifest = msgpack.packb([need, len(write.layer_values), [k for k, _ in write.tickets]])
         views = [_byte_view(v) for v in write.layer_values]
+        if self._resp is not None:
+            commands: list[tuple] = [(b"SET", f"{PREFIX}s:{sid}:{i}".encode(), v) for i, v in enumerate(views)]
+            commands.append((b"SET", f"{PREFIX}m:{sid}".encode(), manifest))
+            commands.append((b"ZADD", f"{PREFIX}lru".encode(), repr(time.time()).encode(), sid.encode()))
+            if self.capacity_bytes is None:
+                commands.append((b"INCRBY", f"{PREFIX}used".encode(), str(need).encode()))
+            if write.tickets:  # published last: a reader that sees a ticket finds its stripe
+                commands.append((b"MSET", *[x for kv in write.tickets for x in kv]))
+            try:
+                self._resp_run(commands)
+            except BackendError:
+                self._unreserve(need)
+                raise
+            self._count(bytes_written=need)
+            return True
 
         def fill(p) -> None:
             for layer_idx, view in enumerate(views):
@@ -175,18 +217,43 @@ class ValkeyBackend(Backend):
         try:
             self._pipeline(len(views) + 3 + bool(write.tickets), fill)
         except BackendError:
-            if self.capacity_bytes is not None:  # give the reservation back; a partial stripe has no tickets
-                try:
-                    self._call(1, lambda: self._client.decrby(f"{PREFIX}used", need))
-                except BackendError:
-                    pass
+            self._unreserve(need)
             raise
         self._count(bytes_written=need)
         return True
 
+    def _unreserve(self, need: int) -> None:
+        """Give a reservation back after a failed write (a partial stripe has no tickets, so nothing points at it)."""
+        if self.capacity_bytes is None:
+            return
+        try:
+            self._call(1, lambda: self._client.decrby(f"{PREFIX}used", need))
+        except BackendError:
+            pass
+
     def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
         if not reads:
             return []
+        if self._resp is not None:
+            commands = []
+            for r in reads:
+                key = f"{PREFIX}s:{r.stripe_id}:{r.layer_idx}".encode()
+                if r.offset == 0 and r.length == r.value_bytes:
+                    commands.append((b"GET", key))
+                else:
+                    commands.append((b"GETRANGE", key, str(r.offset).encode(), str(r.offset + r.length - 1).encode()))
+            lengths = self._resp_run(commands, [r.dest for r in reads])
+            out = []
+            for r, n in zip(reads, lengths):
+                if n <= 0:  # GET of a missing key is nil; GETRANGE of one is ""
+                    out.append(False)
+                elif n != r.length:
+                    raise ValueError(f"{self.url}: stripe {r.stripe_id} layer {r.layer_idx} returned {n} bytes for "
+                                     f"the range [{r.offset}, {r.offset + r.length})")
+                else:
+                    out.append(True)
+            self._count(bytes_read=sum(r.length for r, ok in zip(reads, out) if ok))
+            return out
 
         def fill(p) -> None:
             for r in reads:
@@ -241,6 +308,8 @@ class ValkeyBackend(Backend):
         self._call(1, self._client.ping)
 
     def close(self) -> None:
+        if self._resp is not None:
+            self._resp.close()
         self._client.close()
         self._client.connection_pool.disconnect()
 
