@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
+import xxhash
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
 from range_connector.backends.memory import MemoryBackend
@@ -37,6 +39,50 @@ from range_connector.stripes import (
 from range_connector.tickets import Ticket, ticket_key
 
 logger = logging.getLogger("vllm." + __name__)
+
+
+class _BankSource:
+    """A segment's bytes in the transfer bank: every (layer, plane) region holds the segments in plan order."""
+
+    group = -1  # the whole bank is one copy source
+
+    def __init__(self, seg: Segment, regions: list[torch.Tensor], bank_mv: memoryview, region_bytes: int,
+                 num_planes: int, row_bytes: int) -> None:
+        self.seg, self.regions, self.bank_mv = seg, regions, bank_mv
+        self.region_bytes, self.num_planes, self.row_bytes = region_bytes, num_planes, row_bytes
+
+    def rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
+        return self.regions[layer_idx * self.num_planes + plane_idx]
+
+    def row_of(self, stripe_block: int) -> int:
+        return self.seg.bank_row + stripe_block - self.seg.first_block
+
+    def chunk_bytes(self, layer_idx: int, plane_idx: int, t: Ticket) -> memoryview:
+        start = ((layer_idx * self.num_planes + plane_idx) * self.region_bytes
+                 + self.row_of(t.block_offset) * self.row_bytes)
+        return self.bank_mv[start:start + t.num_blocks * self.row_bytes]
+
+
+class _ViewSource:
+    """A stripe lent by the tier as read-only layer values ``[num_planes, stripe_blocks, row_bytes]``."""
+
+    def __init__(self, group: int, t: Ticket, layers: list[memoryview], row_dtype: torch.dtype) -> None:
+        self.group, self.t, self.layers = group, t, layers
+        with warnings.catch_warnings():  # read-only buffers: only ever read (the index copy copies out)
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.tensors = [torch.frombuffer(v, dtype=torch.uint8).view(row_dtype).view(t.num_planes,
+                                                                                        t.stripe_blocks, -1)
+                            for v in layers]
+
+    def rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
+        return self.tensors[layer_idx][plane_idx]
+
+    def row_of(self, stripe_block: int) -> int:
+        return stripe_block
+
+    def chunk_bytes(self, layer_idx: int, plane_idx: int, t: Ticket) -> memoryview:
+        start = (plane_idx * t.stripe_blocks + t.block_offset) * t.row_bytes
+        return self.layers[layer_idx][start:start + t.num_blocks * t.row_bytes]
 
 
 class RangeWorker:
@@ -121,7 +167,7 @@ class RangeWorker:
     def _load(self, reqs: list[RequestTransfer], deadline: float) -> None:
         layout = self.layout
         assert layout is not None
-        num_layers, num_planes, row_bytes = len(self.layer_names), layout.num_planes, layout.row_bytes
+        num_layers, num_planes = len(self.layer_names), layout.num_planes
         # 1. Which chunks of which stripes: one segment (span of blocks) per (shard, stripe).
         wanted: dict[tuple[int, str], list[Ticket]] = defaultdict(list)
         bad_chunks: set[tuple[str, int]] = set()
@@ -134,6 +180,68 @@ class RangeWorker:
                         wanted[(s, t.stripe_id)].append(t)
         segments = plan_segments(wanted)
         seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in segments}
+        # 2. Bring the bytes within reach: views of the stored stripes where the tier can lend them (DRAM: no
+        #    staging copy), else one batched ranged read per shard into the transfer bank.
+        if all(self.backends[seg.shard_idx].supports_views for seg in segments):
+            sources, missing = self._view_sources(segments, deadline)
+        else:
+            sources, missing = self._bank_sources(segments, deadline)
+        if time.monotonic() > deadline:
+            logger.warning("Range loads passed their %.1f s deadline", self.config.load_deadline_s)
+            self.stats["load_deadline_misses"] += 1
+            missing.update(seg_of)
+        # 3. Verify each chunk's bytes in each layer; a chunk fails if any shard's slice is missing or bad.
+        copies: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))  # source -> (src, dst)
+        for req in reqs:
+            failed_from = None
+            for chunk in req.chunks:
+                good = (req.req_id, chunk.chunk_idx) not in bad_chunks
+                for s, t in enumerate(chunk.tickets if good else ()):
+                    if (s, t.stripe_id) in missing:
+                        good = False
+                        break
+                    source = sources[(s, t.stripe_id)]
+                    if self.config.verify_checksums and not self._verify(source, t):
+                        good = False
+                        self.stats["load_integrity_errors"] += 1
+                        self._drop(chunk.chunk_hash, s)
+                        break
+                if not good:
+                    failed_from = chunk.chunk_idx
+                    break
+                for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
+                    s, slot = self.plan.shard_of_block(pos)
+                    t = chunk.tickets[s]
+                    source = sources[(s, t.stripe_id)]
+                    src, dst = copies[source.group]
+                    src.append(source.row_of(t.block_offset + slot))
+                    dst.append(block_id)
+                    self.last_loaded_tickets.append((s, ticket_key(chunk.chunk_hash, s, self.tp_rank)))
+            if failed_from is not None:
+                self._fail_from(req, failed_from)
+        # 4. One batched index copy per (layer, plane) and source group: the whole bank is one group; lent stripe
+        #    views are one group per stripe.
+        group_source = {src.group: src for src in sources.values()}
+        loaded = 0
+        for group, (src_rows, dst_ids) in copies.items():
+            source = group_source[group]
+            dst = torch.tensor(dst_ids, dtype=torch.long)
+            src = torch.tensor(src_rows, dtype=torch.long)
+            for layer_idx in range(num_layers):
+                for p in range(num_planes):
+                    self._rows[layer_idx * num_planes + p][dst] = source.rows(layer_idx, p)[src]
+            self.stats["copy_launches"] += num_layers * num_planes
+            self.loaded_block_log.extend(dst_ids)
+            loaded += len(dst_ids)
+        self.stats["loaded_blocks"] += loaded
+        self.stats["loaded_tokens"] += loaded * self.block_size
+        self.stats["loaded_bytes"] += loaded * layout.block_bytes
+
+    def _bank_sources(self, segments: list[Segment], deadline: float) -> tuple[dict, set]:
+        """Read every segment of every layer into the transfer bank: one batched ranged read per shard."""
+        layout = self.layout
+        assert layout is not None
+        num_layers, num_planes, row_bytes = len(self.layer_names), layout.num_planes, layout.row_bytes
         rows_per_region = sum(seg.num_blocks for seg in segments)
         region_bytes = rows_per_region * row_bytes
         total = region_bytes * num_layers * num_planes
@@ -142,19 +250,19 @@ class RangeWorker:
             self.stats["bank_allocations"] += 1
         bank = self._bank[:total]
         bank_mv = memoryview(bank.numpy()).cast("B")
-
-        def region(layer_idx: int, plane_idx: int) -> int:
-            return (layer_idx * num_planes + plane_idx) * region_bytes
-
-        # 2. One batched ranged read per shard (all layers, all stripes).
+        regions = [bank[i * region_bytes:(i + 1) * region_bytes].view(layout.row_dtype).view(rows_per_region, -1)
+                   for i in range(num_layers * num_planes)]
         reads_by_shard: dict[int, list[RangeRead]] = defaultdict(list)
+        sources = {}
         for seg in segments:
             t = seg.ticket
+            sources[(seg.shard_idx, t.stripe_id)] = _BankSource(seg, regions, bank_mv, region_bytes, num_planes,
+                                                                row_bytes)
             for layer_idx in range(num_layers):
                 for p in range(num_planes):
                     offset = (p * t.stripe_blocks + seg.first_block) * row_bytes
                     length = seg.num_blocks * row_bytes
-                    start = region(layer_idx, p) + seg.bank_row * row_bytes
+                    start = (layer_idx * num_planes + p) * region_bytes + seg.bank_row * row_bytes
                     reads_by_shard[seg.shard_idx].append(RangeRead(
                         t.stripe_id, layer_idx, offset, length, t.layer_bytes, bank_mv[start:start + length]))
         missing: set[tuple[int, str]] = set()
@@ -170,76 +278,41 @@ class RangeWorker:
                 missing.update((s, r.stripe_id) for r in reads)
                 continue
             missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
-        if time.monotonic() > deadline:
-            logger.warning("Range loads passed their %.1f s deadline", self.config.load_deadline_s)
-            self.stats["load_deadline_misses"] += 1
-            missing.update(seg_of)
-        # 3. Verify each chunk's bytes in each layer; a chunk fails if any shard's slice is missing or bad.
-        dst_ids: list[int] = []
-        src_rows: list[int] = []
-        for req in reqs:
-            failed_from = None
-            for chunk in req.chunks:
-                key = (req.req_id, chunk.chunk_idx)
-                good = key not in bad_chunks
-                for s, t in enumerate(chunk.tickets if good else ()):
-                    if (s, t.stripe_id) in missing:
-                        good = False
-                        break
-                    seg = seg_of[(s, t.stripe_id)]
-                    if self.config.verify_checksums and not self._verify(bank_mv, seg, t, region, region_bytes):
-                        good = False
-                        self.stats["load_integrity_errors"] += 1
-                        self._drop(chunk.chunk_hash, s)
-                        break
-                if not good:
-                    failed_from = chunk.chunk_idx
-                    break
-                for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
-                    s, slot = self.plan.shard_of_block(pos)
-                    t = chunk.tickets[s]
-                    seg = seg_of[(s, t.stripe_id)]
-                    src_rows.append(seg.bank_row + t.block_offset - seg.first_block + slot)
-                    dst_ids.append(block_id)
-                    self.last_loaded_tickets.append((s, ticket_key(chunk.chunk_hash, s, self.tp_rank)))
-            if failed_from is not None:
-                self._fail_from(req, failed_from)
-        # 4. One batched copy per (layer, plane) from the bank into the KV cache.
-        if dst_ids:
-            dst = torch.tensor(dst_ids, dtype=torch.long)
-            src = torch.tensor(src_rows, dtype=torch.long)
-            for layer_idx in range(num_layers):
-                for p in range(num_planes):
-                    start = region(layer_idx, p)
-                    view = bank[start:start + region_bytes].view(layout.row_dtype).view(rows_per_region, -1)
-                    self._rows[layer_idx * num_planes + p][dst] = view[src]
-            self.stats["copy_launches"] += num_layers * num_planes
-            self.loaded_block_log.extend(dst_ids)
-            self.stats["loaded_blocks"] += len(dst_ids)
-            self.stats["loaded_tokens"] += len(dst_ids) * self.block_size
-            self.stats["loaded_bytes"] += len(dst_ids) * layout.block_bytes
+        return sources, missing
 
-    def _verify(self, bank_mv: memoryview, seg: Segment, t: Ticket, region, region_bytes: int) -> bool:
-        row_bytes = t.row_bytes
-        rel = t.block_offset - seg.first_block
+    def _view_sources(self, segments: list[Segment], deadline: float) -> tuple[dict, set]:
+        """Borrow read-only views of the stored stripes (one call per shard), no staging copy."""
+        layout = self.layout
+        assert layout is not None
+        by_shard: dict[int, list[Segment]] = defaultdict(list)
+        for seg in segments:
+            by_shard[seg.shard_idx].append(seg)
+        sources: dict = {}
+        missing: set[tuple[int, str]] = set()
+        for s, segs in by_shard.items():
+            try:
+                views = self.backends[s].view_stripes([seg.ticket.stripe_id for seg in segs])
+            except (BackendError, ValueError) as exc:
+                logger.warning("Range load from shard %d: %s", s, exc)
+                self.stats["load_backend_errors"] += 1
+                views = [None] * len(segs)
+            for seg, layers in zip(segs, views):
+                key = (s, seg.ticket.stripe_id)
+                if layers is None or len(layers) != len(self.layer_names) or any(
+                        v.nbytes != seg.ticket.layer_bytes for v in layers):
+                    missing.add(key)
+                    continue
+                sources[key] = _ViewSource(len(sources), seg.ticket, layers, layout.row_dtype)
+        return sources, missing
+
+    def _verify(self, source: _BankSource | _ViewSource, t: Ticket) -> bool:
         for layer_idx in range(t.num_layers):
-            # The segment's rows of this layer, plane after plane, laid out like a stripe of seg.num_blocks blocks.
-            start = region(layer_idx, 0) + seg.bank_row * row_bytes
-            if t.num_planes == 1:
-                view = bank_mv[start:start + seg.num_blocks * row_bytes]
-                got = chunk_checksum(view, 1, seg.num_blocks, rel, t.num_blocks, row_bytes)
-            else:
-                import xxhash
-
-                h = xxhash.xxh3_64()
-                for p in range(t.num_planes):
-                    ps = region(layer_idx, p) + (seg.bank_row + rel) * row_bytes
-                    h.update(bank_mv[ps:ps + t.num_blocks * row_bytes])
-                got = h.intdigest()
-            if got != t.checksums[layer_idx]:
-                logger.warning("Range load: checksum mismatch in %s stripe %s layer %d blocks [%d, %d)",
-                               self.backends[seg.shard_idx].name, t.stripe_id, layer_idx, t.block_offset,
-                               t.block_offset + t.num_blocks)
+            h = xxhash.xxh3_64()
+            for p in range(t.num_planes):
+                h.update(source.chunk_bytes(layer_idx, p, t))
+            if h.intdigest() != t.checksums[layer_idx]:
+                logger.warning("Range load: checksum mismatch in stripe %s layer %d blocks [%d, %d)", t.stripe_id,
+                               layer_idx, t.block_offset, t.block_offset + t.num_blocks)
                 return False
         return True
 

@@ -91,6 +91,8 @@ class Backend(abc.ABC):
 
     #: Whether the bytes outlive the process that wrote them (other processes and restarted engines see them).
     is_shared: bool = False
+    #: Whether :meth:`view_stripes` can lend stored stripes without copying (in-process tiers).
+    supports_views: bool = False
 
     def __init__(self, name: str, max_value_bytes: int, capacity_bytes: int | None) -> None:
         self.name = name
@@ -145,6 +147,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def used_bytes(self) -> int:
         """Bytes of stripes currently stored (as accounted by Range)."""
+
+    def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
+        """Lend read-only views of stored stripes, ``[num_layers]`` layer values each (``None``: gone).
+
+        Only for tiers with :attr:`supports_views`; the views stay valid after eviction (the tier drops its
+        reference, not the bytes). One round trip.
+        """
+        raise NotImplementedError(f"{self.name} cannot lend views")
 
     def ping(self) -> None:
         """Check that the tier answers. Raises BackendTimeoutError, BackendError."""

@@ -15,7 +15,7 @@ from range_connector.backends.base import Backend, RangeRead, StripeWrite
 
 
 class MemoryBackend(Backend):
-    """A stripe store in this process's memory.
+    """A stripe store in this process's memory (lends stripes to loads without copying: ``supports_views``).
 
     Args:
         capacity_bytes: byte budget (``None``: unlimited).
@@ -26,6 +26,7 @@ class MemoryBackend(Backend):
     def __init__(self, capacity_bytes: int | None = None, name: str = "memory",
                  max_value_bytes: int = 2 << 30) -> None:
         super().__init__(name, max_value_bytes, capacity_bytes)
+        self.supports_views = True
         self._stripes: OrderedDict[str, list[bytes]] = OrderedDict()  # LRU order, oldest first
         self._stripe_tickets: dict[str, list[bytes]] = {}
         self._tickets: dict[bytes, tuple[str, bytes]] = {}  # key -> (stripe id, encoded ticket)
@@ -105,6 +106,17 @@ class MemoryBackend(Backend):
                 nbytes += r.length
                 out.append(True)
         self._count(round_trips=1, commands=len(reads), bytes_read=nbytes, copy_launches=len(reads))
+        return out
+
+    def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
+        out: list[list[memoryview] | None] = []
+        with self._lock:
+            for sid in stripe_ids:
+                values = self._stripes.get(sid)
+                if values is not None:
+                    self._stripes.move_to_end(sid)
+                out.append(None if values is None else [memoryview(v) for v in values])
+        self._count(round_trips=1, commands=len(stripe_ids))
         return out
 
     def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
