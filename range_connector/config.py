@@ -50,6 +50,12 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "evicted with their tickets). 0: no budget; the server's own memory limit then refuses saves.",
     ),
     "lease_ttl_s": ("s", "60.0", "Lifetime of a lease taken on promised stripes if it is never released."),
+    "num_banks": ("banks", "4", "Transfer banks (staging buffers) per worker; a load uses them layer group by layer group."),
+    "bank_bytes": (
+        "bytes",
+        "67108864",
+        "Target size of one transfer bank: a bank holds as many whole layers of a step's load as fit (at least one).",
+    ),
     "backend_retry_s": (
         "s",
         "10.0",
@@ -87,6 +93,8 @@ class RangeConfig:
     memory_capacity_bytes: int = 1 << 30
     shard_capacity_bytes: int = 0
     lease_ttl_s: float = 60.0
+    num_banks: int = 4
+    bank_bytes: int = 64 << 20
     backend_retry_s: float = 10.0
     namespace_salt: str = ""
 
@@ -123,7 +131,8 @@ class RangeConfig:
             for url in urls:
                 _check_url(url)
             values["valkey_urls"] = tuple(urls)
-        for key in ("num_shards", "chunk_tokens", "memory_capacity_bytes", "shard_capacity_bytes"):
+        for key in ("num_shards", "chunk_tokens", "memory_capacity_bytes", "shard_capacity_bytes", "num_banks",
+                    "bank_bytes"):
             if key in extra:
                 values[key] = _positive_int(key, extra[key], allow_zero=key.endswith("capacity_bytes"))
         for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s", "lease_ttl_s"):

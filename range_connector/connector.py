@@ -94,7 +94,7 @@ class RangeConnector(KVConnectorBase_V1):
         self._worker.start_load(self._bound_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv, before the forward
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # saves read the registered KV cache in wait_for_save, after every layer ran

@@ -12,6 +12,7 @@ In this version loads complete inside ``start_load_kv`` (before the forward) and
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -21,6 +22,7 @@ import torch
 import xxhash
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.banks import BankPool, BankReader
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
@@ -39,28 +41,6 @@ from range_connector.stripes import (
 from range_connector.tickets import Ticket, ticket_key
 
 logger = logging.getLogger("vllm." + __name__)
-
-
-class _BankSource:
-    """A segment's bytes in the transfer bank: every (layer, plane) region holds the segments in plan order."""
-
-    group = -1  # the whole bank is one copy source
-
-    def __init__(self, seg: Segment, regions: list[torch.Tensor], bank_mv: memoryview, region_bytes: int,
-                 num_planes: int, row_bytes: int) -> None:
-        self.seg, self.regions, self.bank_mv = seg, regions, bank_mv
-        self.region_bytes, self.num_planes, self.row_bytes = region_bytes, num_planes, row_bytes
-
-    def rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
-        return self.regions[layer_idx * self.num_planes + plane_idx]
-
-    def row_of(self, stripe_block: int) -> int:
-        return self.seg.bank_row + stripe_block - self.seg.first_block
-
-    def chunk_bytes(self, layer_idx: int, plane_idx: int, t: Ticket) -> memoryview:
-        start = ((layer_idx * self.num_planes + plane_idx) * self.region_bytes
-                 + self.row_of(t.block_offset) * self.row_bytes)
-        return self.bank_mv[start:start + t.num_blocks * self.row_bytes]
 
 
 class _ViewSource:
@@ -109,7 +89,10 @@ class RangeWorker:
         self.tp_rank = tp_rank
         self.layout: KVLayout | None = None
         self._rows: list[torch.Tensor] = []
-        self._bank = torch.empty(0, dtype=torch.uint8)  # the transfer bank, grown on demand and reused
+        self._banks = BankPool(config.num_banks)
+        self._reader = BankReader()
+        self._copy_stream = None  # CUDA only: the stream that copies banks into the KV cache
+        self._layer_events: dict[str, object] = {}  # CUDA only: layer -> event of its last load copy
         self._failed_block_ids: set[int] = set()
         self._save_down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
         self._saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = []
@@ -128,6 +111,9 @@ class RangeWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """View the engine's KV tensors as rows (see :func:`range_connector.layout.block_rows`)."""
         self.layout, self._rows = block_rows(kv_caches, self.layer_names, self.num_blocks)
+        if self._rows and self._rows[0].is_cuda:  # pinned staging and a copy stream of our own
+            self._banks = BankPool(self.config.num_banks, pin_memory=True)
+            self._copy_stream = torch.cuda.Stream(device=self._rows[0].device)
         logger.info("Range worker: %d layers x %d planes, %d bytes per block row, %d blocks",
                     len(self.layer_names), self.layout.num_planes, self.layout.row_bytes, self.num_blocks)
 
@@ -181,11 +167,11 @@ class RangeWorker:
         segments = plan_segments(wanted)
         seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in segments}
         # 2. Bring the bytes within reach: views of the stored stripes where the tier can lend them (DRAM: no
-        #    staging copy), else one batched ranged read per shard into the transfer bank.
-        if all(self.backends[seg.shard_idx].supports_views for seg in segments):
-            sources, missing = self._view_sources(segments, deadline)
-        else:
-            sources, missing = self._bank_sources(segments, deadline)
+        #    staging copy), else layer group by layer group through the transfer banks.
+        if not all(self.backends[seg.shard_idx].supports_views for seg in segments):
+            self._load_banked(reqs, segments, bad_chunks, deadline)
+            return
+        sources, missing = self._view_sources(segments, deadline)
         if time.monotonic() > deadline:
             logger.warning("Range loads passed their %.1f s deadline", self.config.load_deadline_s)
             self.stats["load_deadline_misses"] += 1
@@ -237,48 +223,183 @@ class RangeWorker:
         self.stats["loaded_tokens"] += loaded * self.block_size
         self.stats["loaded_bytes"] += loaded * layout.block_bytes
 
-    def _bank_sources(self, segments: list[Segment], deadline: float) -> tuple[dict, set]:
-        """Read every segment of every layer into the transfer bank: one batched ranged read per shard."""
+    def _load_banked(self, reqs: list[RequestTransfer], segments: list[Segment], bad_chunks: set[tuple[str, int]],
+                     deadline: float) -> None:
+        """Load through the transfer banks, one layer group per bank, reads of the next group overlapping the
+        verification and copy of this one.
+
+        Every bank holds, for each of its layers and planes, a region with the segments in plan order; each fill is
+        one batched ranged read per shard. A chunk that is missing on any shard, or fails its checksum in any
+        layer, fails from there on (its request's later chunks too); blocks of a chunk that fails in a later layer
+        were already written for earlier layers, which is harmless: they are reported and vLLM recomputes them.
+        """
         layout = self.layout
         assert layout is not None
         num_layers, num_planes, row_bytes = len(self.layer_names), layout.num_planes, layout.row_bytes
         rows_per_region = sum(seg.num_blocks for seg in segments)
         region_bytes = rows_per_region * row_bytes
-        total = region_bytes * num_layers * num_planes
-        if self._bank.numel() < total:
-            self._bank = torch.empty(total, dtype=torch.uint8)
-            self.stats["bank_allocations"] += 1
-        bank = self._bank[:total]
-        bank_mv = memoryview(bank.numpy()).cast("B")
-        regions = [bank[i * region_bytes:(i + 1) * region_bytes].view(layout.row_dtype).view(rows_per_region, -1)
-                   for i in range(num_layers * num_planes)]
-        reads_by_shard: dict[int, list[RangeRead]] = defaultdict(list)
-        sources = {}
-        for seg in segments:
-            t = seg.ticket
-            sources[(seg.shard_idx, t.stripe_id)] = _BankSource(seg, regions, bank_mv, region_bytes, num_planes,
-                                                                row_bytes)
-            for layer_idx in range(num_layers):
-                for p in range(num_planes):
-                    offset = (p * t.stripe_blocks + seg.first_block) * row_bytes
-                    length = seg.num_blocks * row_bytes
-                    start = (layer_idx * num_planes + p) * region_bytes + seg.bank_row * row_bytes
-                    reads_by_shard[seg.shard_idx].append(RangeRead(
-                        t.stripe_id, layer_idx, offset, length, t.layer_bytes, bank_mv[start:start + length]))
+        layer_bytes = num_planes * region_bytes
+        per_bank = max(1, self.config.bank_bytes // max(1, layer_bytes))
+        groups = [range(g, min(num_layers, g + per_bank)) for g in range(0, num_layers, per_bank)]
+        seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in segments}
         missing: set[tuple[int, str]] = set()
-        for s, reads in reads_by_shard.items():
-            if time.monotonic() > deadline:
-                missing.update((s, r.stripe_id) for r in reads)
-                continue
+        missing_lock = threading.Lock()
+
+        def fill_for(group: range):
+            def fill(buffer: torch.Tensor) -> None:
+                mv = memoryview(buffer.numpy()).cast("B")
+                by_shard: dict[int, list[RangeRead]] = defaultdict(list)
+                for seg in segments:
+                    t = seg.ticket
+                    for layer_idx in group:
+                        for p in range(num_planes):
+                            start = ((layer_idx - group.start) * num_planes + p) * region_bytes + seg.bank_row * row_bytes
+                            length = seg.num_blocks * row_bytes
+                            by_shard[seg.shard_idx].append(RangeRead(
+                                t.stripe_id, layer_idx, (p * t.stripe_blocks + seg.first_block) * row_bytes, length,
+                                t.layer_bytes, mv[start:start + length]))
+                for s, reads in by_shard.items():
+                    try:
+                        ok = self.backends[s].read_ranges(reads)
+                        gone = {(s, r.stripe_id) for r, good in zip(reads, ok) if not good}
+                    except (BackendError, ValueError) as exc:
+                        logger.warning("Range load from shard %d: %s", s, exc)
+                        self.stats["load_backend_errors"] += 1
+                        gone = {(s, r.stripe_id) for r in reads}
+                    with missing_lock:
+                        missing.update(gone)
+            return fill
+
+        timeout_s = max(0.0, deadline - time.monotonic())
+        banks = [self._reader.submit(self._banks, len(g) * layer_bytes, fill_for(g), timeout_s) for g in groups]
+        # Per chunk: where its blocks come from (rows of a region) and go (block ids); chains fail from a chunk on.
+        plan = []  # (req, chunk, [(shard, ticket, segment)], src_rows, dst_ids)
+        for req in reqs:
+            for chunk in req.chunks:
+                parts = [(s, t, seg_of.get((s, t.stripe_id))) for s, t in enumerate(chunk.tickets)]
+                src_rows, dst_ids = [], []
+                for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
+                    s, slot = self.plan.shard_of_block(pos)
+                    seg = parts[s][2]
+                    if seg is not None:
+                        src_rows.append(seg.bank_row + parts[s][1].block_offset - seg.first_block + slot)
+                        dst_ids.append(block_id)
+                plan.append((req, chunk, parts, src_rows, dst_ids))
+        failed_from: dict[str, int] = {}
+
+        def fail(req: RequestTransfer, chunk_idx: int) -> None:
+            failed_from[req.req_id] = min(failed_from.get(req.req_id, chunk_idx), chunk_idx)
+
+        for req, chunk, parts, _, _ in plan:
+            if (req.req_id, chunk.chunk_idx) in bad_chunks or any(seg is None for _, _, seg in parts):
+                fail(req, chunk.chunk_idx)
+        copied_blocks: set[int] = set()
+        for g, group in enumerate(groups):
+            bank = banks[g]
             try:
-                ok = self.backends[s].read_ranges(reads)
-            except (BackendError, ValueError) as exc:
-                logger.warning("Range load from shard %d: %s", s, exc)
-                self.stats["load_backend_errors"] += 1
-                missing.update((s, r.stripe_id) for r in reads)
-                continue
-            missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
-        return sources, missing
+                bank.done.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # deadline, no free bank, or a failed fill: nothing more can be trusted
+                logger.warning("Range load: layers %d-%d not delivered (%s)", group.start, group.stop - 1,
+                               exc or type(exc).__name__)
+                self.stats["load_deadline_misses"] += 1
+                for b in banks[g:]:
+                    b.abandoned = True
+                    if b.done.done():
+                        self._banks.release(b)
+                for req, chunk, _, _, _ in plan:
+                    fail(req, chunk.chunk_idx)
+                break
+            with missing_lock:
+                gone = set(missing)
+            buf = bank.buffer
+            for req, chunk, parts, _, _ in plan:
+                if chunk.chunk_idx >= failed_from.get(req.req_id, 1 << 62):
+                    continue
+                if any((s, t.stripe_id) in gone for s, t, _ in parts):
+                    fail(req, chunk.chunk_idx)
+                    continue
+                if self.config.verify_checksums:
+                    for s, t, seg in parts:
+                        if not self._verify_group(buf, group, seg, t, region_bytes, num_planes, row_bytes):
+                            self.stats["load_integrity_errors"] += 1
+                            self._drop(chunk.chunk_hash, s)
+                            fail(req, chunk.chunk_idx)
+                            break
+            src_rows, dst_ids = [], []
+            for req, chunk, _, c_src, c_dst in plan:
+                if chunk.chunk_idx < failed_from.get(req.req_id, 1 << 62):
+                    src_rows.extend(c_src)
+                    dst_ids.extend(c_dst)
+            if dst_ids:
+                src = torch.tensor(src_rows, dtype=torch.long)
+                dst = torch.tensor(dst_ids, dtype=torch.long)
+                for layer_idx in group:
+                    for p in range(num_planes):
+                        start = ((layer_idx - group.start) * num_planes + p) * region_bytes
+                        region = buf[start:start + region_bytes].view(layout.row_dtype).view(rows_per_region, -1)
+                        self._copy_rows(layer_idx, self._rows[layer_idx * num_planes + p], dst, region, src)
+                self.stats["copy_launches"] += len(group) * num_planes
+                copied_blocks.update(dst_ids)
+            self._bank_copied(group)
+            self._banks.release(bank)
+        self.stats["bank_allocations"] = self._banks.allocations
+        loaded = 0
+        for req, chunk, parts, _, c_dst in plan:
+            if chunk.chunk_idx < failed_from.get(req.req_id, 1 << 62):
+                loaded += len(c_dst)
+                self.loaded_block_log.extend(c_dst)
+                self.last_loaded_tickets.extend((s, ticket_key(chunk.chunk_hash, s, self.tp_rank)) for s, _, _ in parts)
+        for req in reqs:
+            if req.req_id in failed_from:
+                self._fail_from(req, failed_from[req.req_id])
+        self.stats["loaded_blocks"] += loaded
+        self.stats["loaded_tokens"] += loaded * self.block_size
+        self.stats["loaded_bytes"] += loaded * layout.block_bytes
+
+    def _copy_rows(self, layer_idx: int, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                   src: torch.Tensor) -> None:
+        """``dst_rows[dst] = src_rows[src]``: one batched copy; on CUDA, staged to the device on the copy stream."""
+        if not dst_rows.is_cuda:
+            dst_rows[dst] = src_rows[src]
+            return
+        stream = self._copy_stream
+        assert stream is not None
+        with torch.cuda.stream(stream):
+            device = dst_rows.device
+            staged = src_rows.to(device, non_blocking=True)  # from pinned host memory
+            dst_rows[dst.to(device, non_blocking=True)] = staged[src.to(device, non_blocking=True)]
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._layer_events[self.layer_names[layer_idx]] = event
+
+    def _bank_copied(self, group: range) -> None:
+        """Before a bank is reused, its device copies must have read it (CUDA); no-op on CPU."""
+        for layer_idx in group:
+            event = self._layer_events.get(self.layer_names[layer_idx])
+            if event is not None:
+                event.synchronize()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Make the current CUDA stream wait until this layer's loaded blocks have landed (no-op on CPU, where
+        loads complete inside :meth:`start_load`)."""
+        event = self._layer_events.pop(layer_name, None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _verify_group(self, buf: torch.Tensor, group: range, seg: Segment, t: Ticket, region_bytes: int,
+                      num_planes: int, row_bytes: int) -> bool:
+        mv = memoryview(buf.numpy()).cast("B")
+        rel = (seg.bank_row + t.block_offset - seg.first_block) * row_bytes
+        for layer_idx in group:
+            h = xxhash.xxh3_64()
+            for p in range(num_planes):
+                start = ((layer_idx - group.start) * num_planes + p) * region_bytes + rel
+                h.update(mv[start:start + t.num_blocks * row_bytes])
+            if h.intdigest() != t.checksums[layer_idx]:
+                logger.warning("Range load: checksum mismatch in stripe %s layer %d blocks [%d, %d)", t.stripe_id,
+                               layer_idx, t.block_offset, t.block_offset + t.num_blocks)
+                return False
+        return True
 
     def _view_sources(self, segments: list[Segment], deadline: float) -> tuple[dict, set]:
         """Borrow read-only views of the stored stripes (one call per shard), no staging copy."""
@@ -305,7 +426,7 @@ class RangeWorker:
                 sources[key] = _ViewSource(len(sources), seg.ticket, layers, layout.row_dtype)
         return sources, missing
 
-    def _verify(self, source: _BankSource | _ViewSource, t: Ticket) -> bool:
+    def _verify(self, source: _ViewSource, t: Ticket) -> bool:
         for layer_idx in range(t.num_layers):
             h = xxhash.xxh3_64()
             for p in range(t.num_planes):
@@ -388,7 +509,12 @@ class RangeWorker:
         block_ids = [ids[p] for _, ids in chunks for p in positions]
         index = torch.tensor(block_ids, dtype=torch.long)
         stripe_blocks = len(block_ids)
-        values = [gather_layer(self._rows, layout, layer_idx, index) for layer_idx in range(len(self.layer_names))]
+        if self._rows[0].is_cuda:  # gather on the device, one device-to-host copy per layer
+            index = index.to(self._rows[0].device)
+            values = [gather_layer(self._rows, layout, layer_idx, index).cpu()
+                      for layer_idx in range(len(self.layer_names))]
+        else:
+            values = [gather_layer(self._rows, layout, layer_idx, index) for layer_idx in range(len(self.layer_names))]
         views = [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in values]
         stripe_id = new_stripe_id()
         tickets = []
@@ -431,6 +557,7 @@ class RangeWorker:
         return meta
 
     def close(self) -> None:
-        """Release backend connections."""
+        """Release backend connections and the bank reader."""
+        self._reader.close()
         for b in {id(b): b for b in self.backends}.values():
             b.close()

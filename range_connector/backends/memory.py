@@ -84,13 +84,19 @@ class MemoryBackend(Backend):
             self._used_bytes += need
             for key, raw in write.tickets:
                 self._tickets[key] = (write.stripe_id, bytes(raw))
-        self._count(round_trips=1, commands=len(values) + len(write.tickets), bytes_written=need,
+        # One command per layer value and one for all the tickets (an MSET on Valkey): the cost of a write follows
+        # layers and bytes, not the number of chunks (DESIGN.md §3.1).
+        self._count(round_trips=1, commands=len(values) + bool(write.tickets), bytes_written=need,
                     allocations=len(values))
         return True
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
         out = []
         nbytes = 0
+        for r in reads:  # the same checks as the remote tiers, whatever the stored value holds
+            if r.length < 1 or r.offset < 0 or r.offset + r.length > r.value_bytes or r.dest.nbytes != r.length:
+                raise ValueError(f"{self.name}: read [{r.offset}, {r.offset + r.length}) into a {r.dest.nbytes}-byte "
+                                 f"dest is outside stripe {r.stripe_id} layer {r.layer_idx} of {r.value_bytes} bytes")
         with self._lock:
             for r in reads:
                 values = self._stripes.get(r.stripe_id)
@@ -124,6 +130,8 @@ class MemoryBackend(Backend):
         with self._lock:
             for sid in stripe_ids:
                 self._leases.setdefault(sid, []).append(expiry)
+                if sid in self._stripes:  # a lease is a use (as on Valkey): the stripe becomes the most recent
+                    self._stripes.move_to_end(sid)
         self._count(round_trips=1, commands=len(stripe_ids))
 
     def release(self, stripe_ids: Sequence[str]) -> None:
