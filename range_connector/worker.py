@@ -183,7 +183,8 @@ class RangeWorker:
             for chunk in req.chunks:
                 good = (req.req_id, chunk.chunk_idx) not in bad_chunks
                 for s, t in enumerate(chunk.tickets if good else ()):
-                    if (s, t.stripe_id) in missing:
+                    if (s, t.stripe_id) in missing:  # the stripe is gone: its ticket is not offered again
+                        self._drop(chunk.chunk_hash, s)
                         good = False
                         break
                     source = sources[(s, t.stripe_id)]
@@ -242,7 +243,8 @@ class RangeWorker:
         per_bank = max(1, self.config.bank_bytes // max(1, layer_bytes))
         groups = [range(g, min(num_layers, g + per_bank)) for g in range(0, num_layers, per_bank)]
         seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in segments}
-        missing: set[tuple[int, str]] = set()
+        missing: set[tuple[int, str]] = set()  # stripes that are gone (their tickets lie: dropped)
+        errored: set[tuple[int, str]] = set()  # stripes whose read failed (transient: tickets kept)
         missing_lock = threading.Lock()
 
         def fill_for(group: range):
@@ -261,13 +263,13 @@ class RangeWorker:
                 for s, reads in by_shard.items():
                     try:
                         ok = self.backends[s].read_ranges(reads)
-                        gone = {(s, r.stripe_id) for r, good in zip(reads, ok) if not good}
+                        with missing_lock:
+                            missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
                     except (BackendError, ValueError) as exc:
                         logger.warning("Range load from shard %d: %s", s, exc)
                         self.stats["load_backend_errors"] += 1
-                        gone = {(s, r.stripe_id) for r in reads}
-                    with missing_lock:
-                        missing.update(gone)
+                        with missing_lock:
+                            errored.update((s, r.stripe_id) for r in reads)
             return fill
 
         timeout_s = max(0.0, deadline - time.monotonic())
@@ -310,12 +312,15 @@ class RangeWorker:
                     fail(req, chunk.chunk_idx)
                 break
             with missing_lock:
-                gone = set(missing)
+                gone, broken = set(missing), set(errored)
             buf = bank.buffer
             for req, chunk, parts, _, _ in plan:
                 if chunk.chunk_idx >= failed_from.get(req.req_id, 1 << 62):
                     continue
-                if any((s, t.stripe_id) in gone for s, t, _ in parts):
+                lost = [s for s, t, _ in parts if (s, t.stripe_id) in gone]
+                for s in lost:  # a ticket whose stripe is gone is not offered again
+                    self._drop(chunk.chunk_hash, s)
+                if lost or any((s, t.stripe_id) in broken for s, t, _ in parts):
                     fail(req, chunk.chunk_idx)
                     continue
                 if self.config.verify_checksums:

@@ -12,6 +12,7 @@ Each call is one pipeline (or one script) with a deadline for the whole call; co
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ import valkey.exceptions as vex
 from range_connector.backends.base import Backend, Buffer, RangeRead, StripeWrite
 from range_connector.backends.resp import RespPool, RespReplyTooLargeError
 from range_connector.errors import BackendError, BackendTimeoutError
+
+logger = logging.getLogger("vllm." + __name__)
 
 #: Valkey's default ``proto-max-bulk-len`` (bytes), used when the server does not let us read it.
 DEFAULT_MAX_BULK_BYTES = 512 * 1024 * 1024
@@ -137,6 +140,14 @@ class ValkeyBackend(Backend):
         except (vex.ConnectionError, vex.TimeoutError, OSError) as exc:
             raise BackendError(f"{url}: Valkey server does not answer ({exc})") from exc
         super().__init__(url, max_bulk - 1024, capacity_bytes)
+        try:
+            policy = self._client.config_get("maxmemory-policy").get("maxmemory-policy", "noeviction")
+        except vex.ValkeyError:
+            policy = "unknown"
+        if policy not in ("noeviction", "unknown"):
+            logger.warning("%s: maxmemory-policy is %s; Range manages capacity itself and expects noeviction "
+                           "(the server may drop stripes that tickets still promise: those loads then fail and are "
+                           "recomputed)", url, policy)
         self._reserve = self._client.register_script(_RESERVE_LUA)
         self._forget = self._client.register_script(_FORGET_LUA)
         self._release = self._client.register_script(_RELEASE_LUA)

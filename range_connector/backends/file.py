@@ -1,0 +1,582 @@
+"""File tier: one directory per shard (NVMe or any POSIX file system), shared by every process that opens it.
+
+Layout under ``root_dir``:
+
+* ``stripes/<sid>``: a 4096-byte header page (magic, layers, layer bytes, layer stride), then the layer values back
+  to back, layer ``l`` at ``4096 + l * stride`` (``stride``: the layer size, rounded up to 4096 by a writer with
+  ``use_odirect``). Self-describing: a reader opens no other file. Its mtime is the LRU clock (publish, read, lease).
+* ``stripes/<sid>.m``: manifest, msgpack ``[nbytes, num_layers, [ticket keys]]``: eviction finds the tickets there.
+* ``tickets/<hex of key>``: one byte ``len(sid)``, ``sid``, the encoded ticket.
+* ``leases/<sid>.<expiry ns, wall clock>.<uuid>``: empty files; one listing tells every process the live leases.
+* ``*.tmp``: files being written (small files are renamed into place). ``lock``: guards eviction and publishing.
+
+Capacity (C17): the accounted bytes are the ``st_size`` of every file under ``stripes/`` and ``tickets/``, read from
+the directories each time, so they follow the files whatever removed them. Under the lock, a save evicts
+least-recently-used unleased stripes (with the tickets still pointing at them), then reserves everything it will add
+(data, manifest, tickets) by creating its temp data file at that size (``ftruncate``); it writes the data without
+the lock, then publishes under it: shrink the temp file to the data size, write the manifest, rename the data,
+write the tickets. The files never add up to more than ``capacity_bytes``. (A small file also takes a 4 KiB block.)
+A crashed writer's leftovers (temp files idle ``max(60, 10 * timeout_s)`` s, manifests without data) are removed by
+the next save that evicts.
+
+Durability: a save's bytes are in the page cache before its tickets are published, so every process that sees a
+ticket reads the stripe, even if the writer died. ``fsync=True`` adds power-loss durability (an fsync per file and
+directory); it is off by default: the tier is a cache, and a torn stripe reads as a miss (short file) or fails its
+checksum one layer up. Bytes are returned as stored: a flipped byte reaches the caller, whose checksum (DESIGN.md
+§3.6) catches it; headers, manifests and tickets are bounds-checked.
+
+Every call is one round trip on an I/O thread pool, with a deadline for the whole call (``BackendTimeoutError``);
+I/O stops between system calls (at most 64 MiB each) once the caller has given up. ``commands`` counts file
+system operations (open, preadv/pwritev, rename, unlink, utime, fsync, directory scan; a small file read is one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import filelock
+import msgpack
+
+from range_connector.backends.base import Backend, Buffer, RangeRead, StripeWrite
+from range_connector.errors import BackendError, BackendTimeoutError
+
+logger = logging.getLogger(__name__)
+
+PAGE = 4096
+_HEADER = struct.Struct("<8sIQQ")  # magic, num_layers, layer_bytes, stride
+_MAGIC = b"RCSTRIP1"
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+_MAX_IO = 64 << 20  # bytes per system call
+_ZEROS = memoryview(bytes(PAGE))
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRead:
+    """Like :class:`RangeRead`, into ``dest``: a contiguous CUDA array (torch, CuPy) of exactly ``length`` bytes."""
+
+    stripe_id: str
+    layer_idx: int
+    offset: int
+    length: int
+    dest: Any
+
+
+@functools.cache
+def gds_status() -> tuple[bool, str]:
+    """``(True, "")`` when kvikio is importable and a CUDA device is present, else ``(False, reason)``."""
+    try:
+        import kvikio  # noqa: F401
+    except ImportError as exc:
+        return False, f"kvikio not installed ({exc})"
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return True, ""
+    except ImportError:
+        pass
+    return False, "no CUDA device"
+
+
+class _Call(threading.Event):
+    """Set when the caller stops waiting; ``deadline`` in ``time.monotonic()`` seconds."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        self.deadline = time.monotonic() + timeout_s
+
+
+class _Cancelled(Exception):
+    """The caller gave up: issue no more I/O."""
+
+
+class _Short(Exception):
+    """The stripe file is shorter than its header says, or has no valid header: read as gone."""
+
+
+def _flat(value: Buffer) -> memoryview:
+    view = memoryview(value)
+    if not view.contiguous:
+        raise ValueError("file tier buffers must be contiguous")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def _segments(items: Sequence[tuple[int, memoryview]]) -> Iterator[tuple[int, list[memoryview]]]:
+    """Group ``(file offset, view)`` pieces, sorted by offset, into contiguous runs of at most ``_IOV_MAX`` views
+    and ``_MAX_IO`` bytes: one ``preadv``/``pwritev`` each, whatever the number of chunks."""
+    seg: list[memoryview] = []
+    start = length = 0
+    for off, view in items:
+        while view.nbytes:
+            if seg and (off != start + length or len(seg) == _IOV_MAX or length == _MAX_IO):
+                yield start, seg
+                seg, length = [], 0
+            if not seg:
+                start = off
+            take = min(view.nbytes, _MAX_IO - length)
+            seg.append(view[:take])
+            length, off, view = length + take, off + take, view[take:]
+    if seg:
+        yield start, seg
+
+
+class FileBackend(Backend):
+    """One shard's stripes as files under ``root_dir`` (layout and guarantees: module docstring).
+
+    Args:
+        root_dir: the shard's directory (created if missing).
+        capacity_bytes: byte budget for the files under ``stripes/`` and ``tickets/`` (``None``: unlimited).
+        timeout_s: deadline of every call, seconds (the whole call, lock waits included).
+        num_io_threads: I/O threads (the stripes of one read_ranges call are read in parallel).
+        use_odirect: read with O_DIRECT through 4096-aligned bounce buffers, bypassing the page cache, and pad
+            layers to 4096 bytes when writing; buffered reads, with a log line, where the file system refuses.
+        name: label for error messages (default ``file://<root_dir>``).
+        fsync: fsync data, metadata and directories before a save returns.
+        max_value_bytes: largest accepted layer value, bytes.
+
+    Raises:
+        BackendError: the directory cannot be created.
+    """
+
+    is_shared = True
+
+    def __init__(self, root_dir: str | Path, capacity_bytes: int | None = None, *, timeout_s: float = 5.0,
+                 num_io_threads: int = 4, use_odirect: bool = False, name: str | None = None, fsync: bool = False,
+                 max_value_bytes: int = 1 << 40) -> None:
+        self.root = Path(root_dir)
+        super().__init__(name or f"file://{self.root}", max_value_bytes, capacity_bytes)
+        try:
+            for sub in ("stripes", "tickets", "leases"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BackendError(f"{self.name}: cannot create the tier directory ({exc})") from exc
+        self.timeout_s = timeout_s
+        self.use_odirect = self._direct_reads = use_odirect and hasattr(os, "O_DIRECT")
+        self.fsync = fsync
+        self._stale_ns = int(max(60.0, 10 * timeout_s) * 1e9)
+        self._pool = ThreadPoolExecutor(num_io_threads, thread_name_prefix="range-file")
+        self._lock = filelock.FileLock(str(self.root / "lock"), preserve_lock_file=True)
+        self._local = threading.local()  # per-thread O_DIRECT bounce buffer
+        self._evicted: list[bytes] = []
+
+    @property
+    def supports_gds(self) -> bool:
+        """Whether :meth:`read_ranges_device` can read into CUDA memory through ``kvikio.CuFile``."""
+        return gds_status()[0]
+
+    # ------------------------------------------------------------------ plumbing
+    def _run(self, what: str, tasks: Sequence) -> list:
+        """Run ``task(call)`` callables on the pool within ``timeout_s`` for them all (one round trip)."""
+        call = _Call(self.timeout_s)
+        futures = [self._pool.submit(task, call) for task in tasks]
+        _, pending = wait(futures, timeout=self.timeout_s)
+        self._count(round_trips=1)
+        try:
+            if pending:
+                raise _Cancelled
+            return [f.result() for f in futures]
+        except (_Cancelled, filelock.Timeout) as exc:
+            raise BackendTimeoutError(f"{self.name}: {what} not done within {self.timeout_s:g} s") from exc
+        except OSError as exc:
+            raise BackendError(f"{self.name}: {what}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            call.set()
+
+    def _locked(self, call: _Call):
+        return self._lock.acquire(timeout=max(0.0, call.deadline - time.monotonic()), poll_interval=0.001)
+
+    def _path(self, sub: str, name: str) -> Path:
+        return self.root / sub / name
+
+    def _ticket_path(self, key: bytes) -> Path:
+        return self._path("tickets", key.hex())  # file names up to 255 bytes: keys up to 127 bytes
+
+    def _read_small(self, path: Path) -> bytes | None:
+        self._count(commands=1)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _put_small(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, _NEW, 0o644)
+        try:
+            os.write(fd, data)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        self._count(commands=3 + self.fsync)
+
+    def _touch(self, target: int | Path) -> None:
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            os.utime(target, ns=(time.time_ns(),) * 2)  # LRU: most recently used
+        self._count(commands=1)
+
+    def _unlink(self, path: Path) -> bool:
+        self._count(commands=1)
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    # ------------------------------------------------------------------ accounting and eviction (under the lock)
+    def _scan(self) -> tuple[int, dict[str, tuple[int, int]], set[str], list[tuple[Path, int, int]]]:
+        """``(used bytes, {sid: (mtime ns, size)}, sids with a manifest, [(temp file, mtime ns, size)])``."""
+        used, stripes, manifests, tmps = 0, {}, set(), []
+        for sub in ("stripes", "tickets"):
+            with os.scandir(self.root / sub) as entries:
+                for e in entries:
+                    with contextlib.suppress(FileNotFoundError):
+                        st = e.stat(follow_symlinks=False)
+                        used += st.st_size
+                        if e.name.endswith(".tmp"):
+                            tmps.append((Path(e.path), st.st_mtime_ns, st.st_size))
+                        elif sub == "stripes" and e.name.endswith(".m"):
+                            manifests.add(e.name[:-2])
+                        elif sub == "stripes":
+                            stripes[e.name] = (st.st_mtime_ns, st.st_size)
+        self._count(commands=2)
+        return used, stripes, manifests, tmps
+
+    def _lease_files(self) -> dict[str, list[tuple[int, str]]]:
+        """``{sid: [(expiry ns, file name)]}`` of every lease file, earliest expiry first."""
+        out: dict[str, list[tuple[int, str]]] = defaultdict(list)
+        for name in os.listdir(self.root / "leases"):
+            parts = name.split(".")
+            if len(parts) == 3 and parts[1].isdigit():
+                out[parts[0]].append((int(parts[1]), name))
+        self._count(commands=1)
+        for held in out.values():
+            held.sort()
+        return out
+
+    def _remove_stripe(self, sid: str, data_size: int) -> int:
+        """Remove a stripe, the tickets that still point at it, then its manifest; returns the bytes freed."""
+        freed = data_size if self._unlink(self._path("stripes", sid)) else 0
+        raw = self._read_small(self._path("stripes", f"{sid}.m"))
+        try:
+            keys = msgpack.unpackb(raw)[2] if raw is not None else []
+        except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException):
+            keys = []
+        for key in keys if isinstance(keys, list) else []:
+            blob = self._read_small(self._ticket_path(key)) if isinstance(key, bytes) else None
+            if blob and blob[1:1 + blob[0]] == sid.encode() and self._unlink(self._ticket_path(key)):
+                freed += len(blob)
+                self._evicted.append(key)
+        if raw is not None and self._unlink(self._path("stripes", f"{sid}.m")):
+            freed += len(raw)
+        return freed
+
+    def _make_room(self, need: int) -> bool:
+        """Evict least-recently-used unleased stripes until ``need`` more bytes fit in the budget."""
+        used, stripes, manifests, tmps = self._scan()
+        if used + need <= self.capacity_bytes:
+            return True
+        now = time.time_ns()
+        for sid in manifests - stripes.keys():  # an eviction or a save that died half-way
+            used -= self._remove_stripe(sid, 0)
+        for path, mtime, size in tmps:  # temp files of writers that died
+            if now - mtime > self._stale_ns and self._unlink(path):
+                used -= size
+        leased = set()
+        for sid, held in self._lease_files().items():
+            for expiry, name in held:
+                if expiry > now:
+                    leased.add(sid)
+                else:  # an expired lease protects nothing
+                    self._unlink(self._path("leases", name))
+        for sid in sorted(stripes, key=lambda s: (stripes[s][0], s)):
+            if used + need <= self.capacity_bytes:
+                break
+            if sid not in leased:
+                used -= self._remove_stripe(sid, stripes[sid][1])
+        return used + need <= self.capacity_bytes
+
+    # ------------------------------------------------------------------ protocol
+    def used_bytes(self) -> int:
+        return self._run("used_bytes", [lambda call: self._scan()[0]])[0]
+
+    def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        def task(call: _Call) -> list[bytes | None]:
+            blobs = [self._read_small(self._ticket_path(k)) for k in keys]
+            return [b[1 + b[0]:] if b and len(b) > b[0] else None for b in blobs]
+
+        return self._run("get_tickets", [task])[0]
+
+    def write_stripe(self, write: StripeWrite) -> bool:
+        self._check_write(write)
+        views = [_flat(v) for v in write.layer_values]
+        sid = write.stripe_id
+        if len(sid) > 200:
+            raise ValueError(f"{self.name}: stripe id of {len(sid)} characters (at most 200)")
+        layer_bytes = views[0].nbytes if views else 0
+        stride = -(-layer_bytes // PAGE) * PAGE if self.use_odirect else layer_bytes
+        data_size = PAGE + stride * len(views)
+        manifest = msgpack.packb([write.nbytes, len(views), [bytes(k) for k, _ in write.tickets]])
+        tickets = [(self._ticket_path(k), bytes([len(sid)]) + sid.encode() + bytes(raw)) for k, raw in write.tickets]
+        need = data_size + len(manifest) + sum(len(blob) for _, blob in tickets)
+        if self.capacity_bytes is not None and need > self.capacity_bytes:
+            self._count(round_trips=1, commands=1)
+            return False
+        header = bytearray(PAGE)
+        _HEADER.pack_into(header, 0, _MAGIC, len(views), layer_bytes, stride)
+        items = [(0, memoryview(header))]
+        for layer_idx, view in enumerate(views):
+            items.append((PAGE + layer_idx * stride, view))
+            items.append((PAGE + layer_idx * stride + layer_bytes, _ZEROS[:stride - layer_bytes]))
+
+        def task(call: _Call) -> bool:
+            tmp = self._path("stripes", f"{sid}.{uuid.uuid4().hex}.tmp")
+            with self._locked(call):
+                if self.capacity_bytes is not None and not self._make_room(need):
+                    return False
+                fd = os.open(tmp, _NEW, 0o644)
+                try:
+                    os.ftruncate(fd, need)  # the reservation: every process's scan counts it from now on
+                    self._count(commands=2)
+                except BaseException:
+                    os.close(fd)
+                    self._unlink(tmp)
+                    raise
+            try:
+                for off, seg in _segments(items):
+                    self._rw_all(os.pwritev, fd, seg, off, call)
+                if self.fsync:
+                    os.fsync(fd)
+                with self._locked(call):
+                    if call.is_set():
+                        raise _Cancelled
+                    os.ftruncate(fd, data_size)
+                    self._touch(fd)
+                    self._put_small(self._path("stripes", f"{sid}.m"), manifest)
+                    os.rename(tmp, self._path("stripes", sid))
+                    for path, blob in tickets:  # published last: a reader that sees a ticket finds its stripe
+                        self._put_small(path, blob)
+                    for sub in ("stripes", "tickets") if self.fsync else ():
+                        dir_fd = os.open(self.root / sub, os.O_RDONLY | os.O_DIRECTORY)
+                        os.fsync(dir_fd)
+                        os.close(dir_fd)
+                self._count(commands=2 + self.fsync * 7)
+            except BaseException:
+                self._unlink(tmp)
+                raise
+            finally:
+                os.close(fd)
+            return True
+
+        stored = self._run("write_stripe", [task])[0]
+        if stored:
+            self._count(bytes_written=write.nbytes)
+        return stored
+
+    def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
+        return self._per_stripe("read_ranges", reads, self._read_stripe)
+
+    def _per_stripe(self, what: str, reads: Sequence, read_stripe) -> list[bool]:
+        """One pool task per stripe (``read_stripe(sid, its reads, call) -> [ok]``), one round trip in all."""
+        by_stripe: dict[str, list[int]] = defaultdict(list)
+        for i, r in enumerate(reads):
+            by_stripe[r.stripe_id].append(i)
+
+        def task(sid: str, idxs: list[int]):
+            return lambda call: (idxs, read_stripe(sid, [reads[i] for i in idxs], call))
+
+        out = [False] * len(reads)
+        for idxs, oks in self._run(what, [task(sid, idxs) for sid, idxs in by_stripe.items()]):
+            for i, ok in zip(idxs, oks):
+                out[i] = ok
+        self._count(bytes_read=sum(r.length for r, ok in zip(reads, out) if ok), copy_launches=sum(out))
+        return out
+
+    def _open_stripe(self, sid: str, direct: bool) -> tuple[int, tuple[int, int, int]] | None:
+        """Open a stripe and read its header: ``(fd, (num_layers, layer_bytes, stride))``; ``None`` if gone."""
+        if not sid.isalnum():  # never a path outside stripes/
+            return None
+        try:
+            fd = os.open(self._path("stripes", sid), os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            return None
+        finally:
+            self._count(commands=1)
+        try:
+            if direct:
+                raw = bytes(self._pread_direct(fd, [memoryview(bytearray(_HEADER.size))], 0, None)[0])
+            else:
+                raw = os.pread(fd, _HEADER.size, 0)
+                self._count(commands=1)
+            magic, num_layers, layer_bytes, stride = _HEADER.unpack(raw)
+            if magic != _MAGIC or stride < layer_bytes:
+                raise _Short
+            return fd, (num_layers, layer_bytes, stride)
+        except (_Short, struct.error):
+            os.close(fd)
+            logger.warning("%s: stripe %s has no valid header; read as a miss", self.name, sid)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _plan(self, rs: Sequence[RangeRead | DeviceRead], layout: tuple[int, int, int]) -> list[int | None]:
+        """File offset of each read (``None``: no such layer). Raises ValueError for a range outside the value."""
+        num_layers, layer_bytes, stride = layout
+        offsets: list[int | None] = []
+        for r in rs:
+            if not 0 <= r.layer_idx < num_layers:
+                offsets.append(None)
+            elif r.offset < 0 or r.length != r.dest.nbytes or r.offset + r.length > layer_bytes:
+                raise ValueError(f"{self.name}: read [{r.offset}, {r.offset + r.length}) of stripe {r.stripe_id} "
+                                 f"layer {r.layer_idx} is outside its {layer_bytes} bytes")
+            else:
+                offsets.append(PAGE + r.layer_idx * stride + r.offset)
+        return offsets
+
+    def _read_stripe(self, sid: str, rs: list[RangeRead], call: _Call) -> list[bool]:
+        direct, opened = self._direct_reads, None
+        try:
+            if (opened := self._open_stripe(sid, direct)) is None:
+                return [False] * len(rs)
+            offsets = self._plan(rs, opened[1])
+            items = sorted(((off, _flat(r.dest)) for off, r in zip(offsets, rs) if off is not None),
+                           key=lambda item: item[0])
+            for off, seg in _segments(items):
+                if direct:
+                    self._pread_direct(opened[0], seg, off, call)
+                else:
+                    self._rw_all(os.preadv, opened[0], seg, off, call)
+            self._touch(opened[0])
+            return [off is not None for off in offsets]
+        except _Short:
+            return [False] * len(rs)
+        except OSError as exc:
+            if not (direct and exc.errno == 22):  # EINVAL: this file system refuses O_DIRECT
+                raise
+            logger.warning("%s: O_DIRECT refused (%s); reading through the page cache", self.name, exc)
+            self._direct_reads = False
+        finally:
+            if opened is not None:
+                os.close(opened[0])
+                self._count(commands=1)
+        return self._read_stripe(sid, rs, call)
+
+    def _rw_all(self, op, fd: int, seg: list[memoryview], off: int, call: _Call) -> None:
+        """``os.preadv``/``os.pwritev`` a contiguous run to the end; a read at end of file raises ``_Short``."""
+        while seg:
+            if call.is_set():
+                raise _Cancelled
+            n = op(fd, seg, off)
+            self._count(commands=1)
+            if n == 0:
+                raise _Short
+            off += n
+            while seg and n >= seg[0].nbytes:
+                n -= seg.pop(0).nbytes
+            if seg:
+                seg[0] = seg[0][n:]
+
+    def _pread_direct(self, fd: int, seg: list[memoryview], off: int, call: _Call | None) -> list[memoryview]:
+        """Read a contiguous run with O_DIRECT into an aligned bounce buffer, then copy it into ``seg``."""
+        if call is not None and call.is_set():
+            raise _Cancelled
+        if (bounce := getattr(self._local, "bounce", None)) is None:
+            bounce = self._local.bounce = memoryview(mmap.mmap(-1, _MAX_IO + 2 * PAGE))
+            self._count(allocations=1)
+        end = off + sum(v.nbytes for v in seg)
+        start = off - off % PAGE
+        n = os.preadv(fd, [bounce[:-(-end // PAGE) * PAGE - start]], start)
+        self._count(commands=1)
+        if n < end - start:
+            raise _Short
+        pos = off - start
+        for view in seg:
+            view[:] = bounce[pos:pos + view.nbytes]
+            pos += view.nbytes
+        return seg
+
+    def read_ranges_device(self, reads: Sequence[DeviceRead]) -> list[bool]:
+        """:meth:`read_ranges` into CUDA memory through ``kvikio.CuFile`` (GPUDirect Storage where the platform
+        allows it, kvikio's POSIX compatibility mode otherwise). Same results and errors, one round trip.
+
+        Raises:
+            BackendError: kvikio or CUDA is missing (see :attr:`supports_gds`), or the read failed.
+        """
+        ok, reason = gds_status()
+        if not ok:
+            raise BackendError(f"{self.name}: GPUDirect reads unavailable: {reason}")
+        import kvikio
+
+        def read_stripe(sid: str, rs: list[DeviceRead], call: _Call) -> list[bool]:
+            if (opened := self._open_stripe(sid, False)) is None:
+                return [False] * len(rs)
+            try:
+                offsets = self._plan(rs, opened[1])
+                todo = [(r, off) for r, off in zip(rs, offsets) if off is not None]
+                with kvikio.CuFile(self._path("stripes", sid), "r") as f:
+                    done = [fut.get() for fut in [f.pread(r.dest, r.length, off) for r, off in todo]]
+                self._count(commands=2 + len(todo))
+                if done != [r.length for r, _ in todo]:
+                    return [False] * len(rs)
+                self._touch(opened[0])
+                return [off is not None for off in offsets]
+            finally:
+                os.close(opened[0])
+
+        return self._per_stripe("read_ranges_device", reads, read_stripe)
+
+    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
+        if not all(sid.isalnum() for sid in stripe_ids):
+            raise ValueError(f"{self.name}: stripe ids must be alphanumeric: {list(stripe_ids)}")
+        expiry = time.time_ns() + int(ttl_s * 1e9)
+
+        def task(call: _Call) -> None:
+            for sid in stripe_ids:
+                os.close(os.open(self._path("leases", f"{sid}.{expiry}.{uuid.uuid4().hex[:16]}"), _NEW, 0o644))
+                self._count(commands=1)
+                self._touch(self._path("stripes", sid))
+
+        self._run("lease", [task])
+
+    def release(self, stripe_ids: Sequence[str]) -> None:
+        def task(call: _Call) -> None:
+            held = self._lease_files() if stripe_ids else {}
+            for sid in stripe_ids:  # the lease that expires first goes; if another process took it, the next one
+                while held.get(sid) and not self._unlink(self._path("leases", held[sid].pop(0)[1])):
+                    pass
+
+        self._run("release", [task])
+
+    def delete_tickets(self, keys: Sequence[bytes]) -> None:
+        self._run("delete_tickets", [lambda call: [self._unlink(self._ticket_path(k)) for k in keys]])
+
+    def ping(self) -> None:
+        self._run("ping", [lambda call: os.stat(self.root / "stripes")])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def num_leases(self) -> int:
+        """Live leases on this shard, held by any process (for tests and metrics)."""
+        now = time.time_ns()
+        return sum(1 for held in self._lease_files().values() for expiry, _ in held if expiry > now)
+
+    def take_evicted(self) -> list[bytes]:
+        """Return and forget the ticket keys that this instance's evictions dropped since the last call."""
+        out, self._evicted = self._evicted, []
+        return out
