@@ -171,6 +171,7 @@ class RangeWorker:
         if not all(self.backends[seg.shard_idx].supports_views for seg in segments):
             self._load_banked(reqs, segments, bad_chunks, deadline)
             return
+        self._errored: set[tuple[int, str]] = set()
         sources, missing = self._view_sources(segments, deadline)
         if time.monotonic() > deadline:
             logger.warning("Range loads passed their %.1f s deadline", self.config.load_deadline_s)
@@ -183,6 +184,9 @@ class RangeWorker:
             for chunk in req.chunks:
                 good = (req.req_id, chunk.chunk_idx) not in bad_chunks
                 for s, t in enumerate(chunk.tickets if good else ()):
+                    if (s, t.stripe_id) in self._errored:
+                        good = False
+                        break
                     if (s, t.stripe_id) in missing:  # the stripe is gone: its ticket is not offered again
                         self._drop(chunk.chunk_hash, s)
                         good = False
@@ -246,9 +250,13 @@ class RangeWorker:
         missing: set[tuple[int, str]] = set()  # stripes that are gone (their tickets lie: dropped)
         errored: set[tuple[int, str]] = set()  # stripes whose read failed (transient: tickets kept)
         missing_lock = threading.Lock()
+        failed_shards: set[int] = set()  # a shard whose read failed is not asked again in this load
+        cancelled = threading.Event()  # set when the load gives up: fills not yet started do nothing
 
         def fill_for(group: range):
             def fill(buffer: torch.Tensor) -> None:
+                if cancelled.is_set():
+                    return
                 mv = memoryview(buffer.numpy()).cast("B")
                 by_shard: dict[int, list[RangeRead]] = defaultdict(list)
                 for seg in segments:
@@ -261,13 +269,22 @@ class RangeWorker:
                                 t.stripe_id, layer_idx, (p * t.stripe_blocks + seg.first_block) * row_bytes, length,
                                 t.layer_bytes, mv[start:start + length]))
                 for s, reads in by_shard.items():
+                    if cancelled.is_set() or s in failed_shards or time.monotonic() > deadline:
+                        with missing_lock:
+                            errored.update((s, r.stripe_id) for r in reads)
+                        continue
                     try:
                         ok = self.backends[s].read_ranges(reads)
                         with missing_lock:
                             missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
-                    except (BackendError, ValueError) as exc:
+                    except ValueError as exc:  # a stored value disagrees with its ticket: find which, stripe by stripe
+                        logger.warning("Range load from shard %d: %s", s, exc)
+                        self.stats["load_integrity_errors"] += 1
+                        self._reread_each_stripe(s, reads, missing, errored, missing_lock)
+                    except BackendError as exc:
                         logger.warning("Range load from shard %d: %s", s, exc)
                         self.stats["load_backend_errors"] += 1
+                        failed_shards.add(s)
                         with missing_lock:
                             errored.update((s, r.stripe_id) for r in reads)
             return fill
@@ -304,6 +321,7 @@ class RangeWorker:
                 logger.warning("Range load: layers %d-%d not delivered (%s)", group.start, group.stop - 1,
                                exc or type(exc).__name__)
                 self.stats["load_deadline_misses"] += 1
+                cancelled.set()
                 for b in banks[g:]:
                     b.abandoned = True
                     if b.done.done():
@@ -347,6 +365,13 @@ class RangeWorker:
                 copied_blocks.update(dst_ids)
             self._bank_copied(group)
             self._banks.release(bank)
+            if not dst_ids:  # nothing left to load: stop reading the remaining layer groups
+                cancelled.set()
+                for b in banks[g + 1:]:
+                    b.abandoned = True
+                    if b.done.done():
+                        self._banks.release(b)
+                break
         self.stats["bank_allocations"] = self._banks.allocations
         loaded = 0
         for req, chunk, parts, _, c_dst in plan:
@@ -391,6 +416,25 @@ class RangeWorker:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
+    def _reread_each_stripe(self, s: int, reads: list[RangeRead], missing: set, errored: set,
+                            lock: threading.Lock) -> None:
+        """After a shard's batched read was refused as inconsistent, read stripe by stripe (only on this error
+        path) so that only the stripes whose values disagree with their tickets are treated as gone."""
+        by_stripe: dict[str, list[RangeRead]] = defaultdict(list)
+        for r in reads:
+            by_stripe[r.stripe_id].append(r)
+        for stripe_id, stripe_reads in by_stripe.items():
+            try:
+                ok = all(self.backends[s].read_ranges(stripe_reads))
+                target = None if ok else missing
+            except ValueError:
+                target = missing
+            except BackendError:
+                target = errored
+            if target is not None:
+                with lock:
+                    target.add((s, stripe_id))
+
     def _verify_group(self, buf: torch.Tensor, group: range, seg: Segment, t: Ticket, region_bytes: int,
                       num_planes: int, row_bytes: int) -> bool:
         mv = memoryview(buf.numpy()).cast("B")
@@ -417,11 +461,14 @@ class RangeWorker:
         missing: set[tuple[int, str]] = set()
         for s, segs in by_shard.items():
             try:
+                if time.monotonic() > deadline:
+                    raise BackendError("the load deadline passed")
                 views = self.backends[s].view_stripes([seg.ticket.stripe_id for seg in segs])
-            except (BackendError, ValueError) as exc:
+            except (BackendError, ValueError) as exc:  # transient: the chunks fail, their tickets stay
                 logger.warning("Range load from shard %d: %s", s, exc)
                 self.stats["load_backend_errors"] += 1
-                views = [None] * len(segs)
+                self._errored.update((s, seg.ticket.stripe_id) for seg in segs)
+                continue
             for seg, layers in zip(segs, views):
                 key = (s, seg.ticket.stripe_id)
                 if layers is None or len(layers) != len(self.layer_names) or any(
