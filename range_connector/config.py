@@ -16,11 +16,21 @@ from typing import Any
 
 from range_connector.errors import ConfigError
 
-BACKEND_NAMES = ("valkey", "memory")
+BACKEND_NAMES = ("valkey", "memory", "file")
 
 #: key -> (unit, default shown to users, description). Order is the README's order.
 CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
-    "backend": ("-", '"valkey"', 'Storage tier: "valkey" (one server per shard) or "memory" (in-process DRAM).'),
+    "backend": (
+        "-",
+        '"valkey"',
+        'Storage tier: "valkey" (one server per shard), "memory" (in-process DRAM) or "file" (stripe files, one '
+        "directory per shard).",
+    ),
+    "file_dir": (
+        "path",
+        "runtime_dir/files",
+        'Root of the "file" tier; shard s keeps its stripes, ticket log and leases in file_dir/shard-s.',
+    ),
     "valkey_urls": (
         "-",
         "[] (embedded servers)",
@@ -86,6 +96,7 @@ class RangeConfig:
     num_shards: int = 1
     chunk_tokens: int | None = None
     runtime_dir: str | None = None
+    file_dir: str | None = None
     backend_timeout_s: float = 5.0
     load_deadline_s: float = 30.0
     start_timeout_s: float = 10.0
@@ -142,7 +153,7 @@ class RangeConfig:
             if not isinstance(extra["verify_checksums"], bool):
                 raise ConfigError("verify_checksums", f"{extra['verify_checksums']!r} is not true or false")
             values["verify_checksums"] = extra["verify_checksums"]
-        for key in ("runtime_dir", "namespace_salt"):
+        for key in ("runtime_dir", "namespace_salt", "file_dir"):
             if key in extra:
                 if not isinstance(extra[key], str):
                     raise ConfigError(key, f"{extra[key]!r} is not a string")

@@ -42,6 +42,18 @@ def open_shard_backends(config: RangeConfig) -> list[Backend]:
     """
     if config.backend == "memory":
         return [MemoryBackend(config.memory_capacity_bytes or None)] * config.num_shards
+    if config.backend == "file":
+        import os
+
+        from range_connector.backends.file import FileBackend
+
+        root = config.file_dir or os.path.join(config.resolved_runtime_dir, "files")
+        try:
+            return [FileBackend(os.path.join(os.path.expanduser(root), f"shard-{s}"),
+                                config.shard_capacity_bytes or None, timeout_s=config.backend_timeout_s)
+                    for s in range(config.num_shards)]
+        except OSError as exc:
+            raise ConfigError("file_dir", f"{root}: {exc}") from exc
     from range_connector.backends.valkey import ValkeyBackend
 
     backends: list[Backend] = []

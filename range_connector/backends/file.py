@@ -10,7 +10,7 @@ Layout under ``root_dir``:
   points at that stripe). Each instance replays the log into a dict and reads only what was appended since, so a
   lookup is one read whatever the number of keys (per-ticket files measured 15 us per key here: 62 ms for 4,096).
   Appends hold the lock; a writer rewrites the live tickets into the next generation when the log has grown 4x.
-  Memory: about 0.6 KiB per ticket per process.
+  Memory: about 0.7 KiB per ticket per process; a new process replays the log once (0.6 s per 100k tickets).
 * ``leases/<sid>.<expiry ns, wall clock>.<uuid>``: empty files; one listing tells every process the live leases.
 * ``*.tmp``: files being written, renamed into place. ``lock``: a file lock for eviction and publishing.
 
@@ -289,20 +289,21 @@ class FileBackend(Backend):
             os.ftruncate(self._log_fd, self._pos)
 
     def _apply(self, ops: list) -> None:
+        """Apply logged ops (read from storage: anything malformed is skipped)."""
         for op in ops if isinstance(ops, list) else ():
             if not isinstance(op, list) or len(op) < 3 or not isinstance(op[1], bytes):
                 continue
             key, sid, old = op[1], op[2], self._tickets.get(op[1])
-            if op[0] == 0 and old is not None and sid in (None, old[0]):
+            put = op[0] == 1 and len(op) == 4 and isinstance(sid, str) and isinstance(op[3], bytes)
+            if old is not None and (put or (op[0] == 0 and sid in (None, old[0]))):
                 del self._tickets[key]
-                self._by_stripe[old[0]].discard(key)
-            elif op[0] == 1 and len(op) == 4 and isinstance(sid, str) and isinstance(op[3], bytes):
-                if old is not None:
-                    self._by_stripe[old[0]].discard(key)
+                keys = self._by_stripe[old[0]]
+                keys.discard(key)
+                if not keys:
+                    del self._by_stripe[old[0]]
+            if put:
                 self._tickets[key] = (sid, op[3])
                 self._by_stripe[sid].add(key)
-        for sid in [s for s, keys in self._by_stripe.items() if not keys]:
-            del self._by_stripe[sid]
 
     def _append(self, ops: list) -> None:
         """Append one frame (hold the file lock and ``_index_lock``; after ``_catch_up(writer=True)``)."""

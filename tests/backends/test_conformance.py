@@ -31,6 +31,7 @@ import pytest
 import valkey
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.backends.file import FileBackend
 from range_connector.backends.memory import MemoryBackend
 from range_connector.backends.valkey import ValkeyBackend
 from range_connector.errors import BackendError, BackendTimeoutError
@@ -265,10 +266,55 @@ def audit_valkey(admin: valkey.Valkey) -> None:
             assert sid in manifests, f"ticket {k} points at stripe {sid}, which is gone"
 
 
-@pytest.fixture(params=["memory", "valkey", "valkey-db1"])
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+class FileStore(Store):
+    kind = "file"
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self._backends: list[Backend] = []
+
+    def make(self, capacity_bytes: int | None = None) -> Backend:
+        b = FileBackend(self.root / "shard", capacity_bytes, timeout_s=5.0)
+        self._backends.append(b)
+        return b
+
+    def make_limited(self) -> Backend:
+        b = FileBackend(self.root / "limited", timeout_s=5.0, max_value_bytes=SERVER_LIMIT_BYTES - 1024)
+        self._backends.append(b)
+        return b
+
+    def leases_held(self, backend: Backend) -> int:
+        assert isinstance(backend, FileBackend)
+        return backend.num_leases()
+
+    def audit(self, backend: Backend) -> None:
+        assert isinstance(backend, FileBackend)
+        stripes = {p.name: p.stat().st_size for p in (backend.root / "stripes").iterdir()}
+        assert not [name for name in stripes if not name.isalnum()], stripes  # no temp file left behind
+        assert backend.used_bytes() == sum(size - 4096 for size in stripes.values())
+        fresh = FileBackend(backend.root)  # the ticket log replayed from scratch
+        fresh.get_tickets([])
+        assert {sid for sid, _ in fresh._tickets.values()} <= set(stripes)
+        fresh.close()
+        if backend.capacity_bytes is not None:
+            assert backend.used_bytes() <= backend.capacity_bytes
+
+    def close(self) -> None:
+        for b in self._backends:
+            b.close()
+
+
+@pytest.fixture(params=["memory", "file", "valkey", "valkey-db1"])
+def store(request: pytest.FixtureRequest, tmp_path) -> Iterator[Store]:
     if request.param == "memory":
         yield MemoryStore()
+        return
+    if request.param == "file":
+        s = FileStore(tmp_path)
+        try:
+            yield s
+        finally:
+            s.close()
         return
     url = request.getfixturevalue("valkey_servers").urls[0]
     s = ValkeyStore(url, request, db=1 if request.param == "valkey-db1" else 0)

@@ -527,3 +527,45 @@ def test_gds_capability_is_reported_and_checked(backend: FileBackend) -> None:
         assert reason.startswith(("no CUDA device", "kvikio not installed"))
         with pytest.raises(BackendError, match="GPUDirect reads unavailable"):
             backend.read_ranges_device([DeviceRead("x", 0, 0, 1, 1, None)])
+
+
+@pytest.mark.timeout(60)
+def test_device_read_path_with_a_stand_in_kvikio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CuFile path's planning and bookkeeping, with a host-memory stand-in for kvikio (the real one needs CUDA:
+    ``tests/gpu/test_file_gds.py``)."""
+    import types
+
+    import range_connector.backends.file as file_mod
+
+    class FakeFuture:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def get(self) -> int:
+            return self.n
+
+    class FakeCuFile:
+        def __init__(self, path: Path, flags: str = "r") -> None:
+            self.fd = os.open(path, os.O_RDONLY)
+
+        def __enter__(self) -> FakeCuFile:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            os.close(self.fd)
+
+        def pread(self, buf: bytearray, size: int, file_offset: int = 0) -> FakeFuture:
+            return FakeFuture(os.preadv(self.fd, [memoryview(buf)[:size]], file_offset))
+
+    monkeypatch.setitem(sys.modules, "kvikio", types.SimpleNamespace(CuFile=FakeCuFile))
+    monkeypatch.setattr(file_mod, "gds_status", lambda: (True, ""))
+    b = FileBackend(tmp_path / "s", use_odirect=True)  # padded layers: the device path must honour the stride
+    w = _stripe("dev", 3, 5000)
+    assert b.write_stripe(w)
+    dests = [memoryview(bytearray(n)) for n in (5000, 10, 1)]  # like torch/CuPy arrays: they have ``nbytes``
+    reads = [DeviceRead("dev", 2, 0, 5000, 5000, dests[0]), DeviceRead("dev", 1, 4990, 10, 5000, dests[1]),
+             DeviceRead("gone", 0, 0, 1, 1, dests[2])]
+    assert b.supports_gds and b.read_ranges_device(reads) == [True, True, False]
+    assert dests[0] == w.layer_values[2] and dests[1] == w.layer_values[1][4990:]
+    with pytest.raises(ValueError):
+        b.read_ranges_device([DeviceRead("dev", 0, 4999, 2, 5001, memoryview(bytearray(2)))])
