@@ -45,6 +45,14 @@ from range_connector.tickets import Ticket, ticket_key
 logger = logging.getLogger("vllm." + __name__)
 
 
+def _row_selector(src_rows: list[int]) -> slice | torch.Tensor:
+    """A slice when ``src_rows`` is one ascending run of consecutive rows (no gather needed), else an index."""
+    first = src_rows[0]
+    if src_rows == list(range(first, first + len(src_rows))):
+        return slice(first, first + len(src_rows))
+    return torch.tensor(src_rows, dtype=torch.long)
+
+
 class _ViewSource:
     """A stripe lent by the tier as read-only layer values ``[num_planes, stripe_blocks, row_bytes]``."""
 
@@ -219,10 +227,11 @@ class RangeWorker:
         for group, (src_rows, dst_ids) in copies.items():
             source = group_source[group]
             dst = torch.tensor(dst_ids, dtype=torch.long)
-            src = torch.tensor(src_rows, dtype=torch.long)
+            src = _row_selector(src_rows)
             for layer_idx in range(num_layers):
                 for p in range(num_planes):
-                    self._rows[layer_idx * num_planes + p][dst] = source.rows(layer_idx, p)[src]
+                    self._copy_rows(layer_idx, self._rows[layer_idx * num_planes + p], dst, source.rows(layer_idx, p),
+                                    src)
             self.stats["copy_launches"] += num_layers * num_planes
             self.loaded_block_log.extend(dst_ids)
             loaded += len(dst_ids)
@@ -356,7 +365,7 @@ class RangeWorker:
                     src_rows.extend(c_src)
                     dst_ids.extend(c_dst)
             if dst_ids:
-                src = torch.tensor(src_rows, dtype=torch.long)
+                src = _row_selector(src_rows)
                 dst = torch.tensor(dst_ids, dtype=torch.long)
                 for layer_idx in group:
                     for p in range(num_planes):
@@ -389,17 +398,23 @@ class RangeWorker:
         self.stats["loaded_bytes"] += loaded * layout.block_bytes
 
     def _copy_rows(self, layer_idx: int, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
-                   src: torch.Tensor) -> None:
-        """``dst_rows[dst] = src_rows[src]``: one batched copy; on CUDA, staged to the device on the copy stream."""
+                   src: slice | torch.Tensor) -> None:
+        """``dst_rows[dst] = src_rows[src]`` as one batched index copy.
+
+        When the source rows are one run (the usual case: a chunk's blocks are consecutive in its stripe, and a
+        bank holds segments back to back) the source is a view and the copy is the only pass over the bytes;
+        otherwise the rows are gathered first. On CUDA the source is staged to the device on the copy stream.
+        """
+        picked = src_rows[src] if isinstance(src, slice) else src_rows.index_select(0, src)
         if not dst_rows.is_cuda:
-            dst_rows[dst] = src_rows[src]
+            dst_rows.index_copy_(0, dst, picked)
             return
         stream = self._copy_stream
         assert stream is not None
         with torch.cuda.stream(stream):
             device = dst_rows.device
-            staged = src_rows.to(device, non_blocking=True)  # from pinned host memory
-            dst_rows[dst.to(device, non_blocking=True)] = staged[src.to(device, non_blocking=True)]
+            staged = picked.to(device, non_blocking=True)  # from pinned host memory
+            dst_rows.index_copy_(0, dst.to(device, non_blocking=True), staged)
             event = torch.cuda.Event()
             event.record(stream)
         self._layer_events[self.layer_names[layer_idx]] = event
