@@ -32,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from range_connector.errors import ConfigError
 from range_connector.plugin import CONNECTOR_NAME  # the name the plugin registers (``kv_connector``)
 
 __all__ = [
@@ -140,6 +141,26 @@ def _group_has_any(pgid: int) -> bool:
     return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def check_model_dir(model: str) -> None:
+    """Fail early, in one line, for a local model directory vLLM could not serve (hub names pass unchecked).
+
+    Raises:
+        ConfigError: the directory has no ``config.json`` or no tokenizer file (names the directory).
+    """
+    path = Path(model).expanduser()
+    if not path.exists():
+        if model.startswith((".", "/", "~")) or os.sep in model and len(model.split("/")) != 2:
+            raise ConfigError("model", f"{model}: no such directory")
+        return  # a hub name like org/model: vLLM resolves it
+    if not (path / "config.json").is_file():
+        raise ConfigError("model", f"{path}: no config.json (not a Hugging Face model directory)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError("model", f"{path}: no tokenizer ({', '.join(TOKENIZER_FILES)} all missing)")
+
+
 class ServerProcess:
     """One ``vllm.entrypoints.openai.api_server`` subprocess.
 
@@ -187,6 +208,7 @@ class ServerProcess:
         python: str | None = None,
     ) -> None:
         self.model = str(model)
+        check_model_dir(self.model)
         self.work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="range-vllm-"))
         self.host = host
         self.port = port if port is not None else free_port(host)
