@@ -39,6 +39,8 @@ class Ticket:
         num_planes: planes per layer.
         row_bytes: bytes of one block of one plane of one layer.
         checksums: ``[num_layers]`` xxh3-64 of this chunk's bytes in each layer (planes in order).
+        stripe_checksums: ``[num_layers]`` xxh3-64 of each whole layer value of the stripe (empty if unknown): a
+            load that reads the whole stripe verifies it once per layer instead of once per chunk and layer.
     """
 
     stripe_id: str
@@ -49,6 +51,7 @@ class Ticket:
     num_planes: int
     row_bytes: int
     checksums: tuple[int, ...]
+    stripe_checksums: tuple[int, ...] = ()
 
     @property
     def layer_bytes(self) -> int:
@@ -62,8 +65,11 @@ class Ticket:
 
     def encode(self) -> bytes:
         """msgpack bytes."""
-        return msgpack.packb([TICKET_VERSION, self.stripe_id, self.block_offset, self.num_blocks, self.stripe_blocks,
-                              self.num_layers, self.num_planes, self.row_bytes, list(self.checksums)])
+        fields = [TICKET_VERSION, self.stripe_id, self.block_offset, self.num_blocks, self.stripe_blocks,
+                  self.num_layers, self.num_planes, self.row_bytes, list(self.checksums)]
+        if self.stripe_checksums:
+            fields.append(list(self.stripe_checksums))
+        return msgpack.packb(fields)
 
     @classmethod
     def decode(cls, raw: bytes | None, *, num_layers: int, layer_block_bytes: int, num_blocks: int) -> Ticket | None:
@@ -82,9 +88,10 @@ class Ticket:
             return None
         try:
             v = msgpack.unpackb(raw, use_list=True, strict_map_key=True)
-            if not isinstance(v, list) or len(v) != 9 or v[0] != TICKET_VERSION:
+            if not isinstance(v, list) or len(v) not in (9, 10) or v[0] != TICKET_VERSION:
                 return None
-            _, stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, checksums = v
+            _, stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, checksums = v[:9]
+            stripe_sums = v[9] if len(v) == 10 else []
             ints = (block_offset, nb, stripe_blocks, nl, npl, rb)
             if not isinstance(stripe_id, str) or not all(type(x) is int for x in ints):
                 return None
@@ -92,11 +99,14 @@ class Ticket:
                 return None
             if block_offset < 0 or stripe_blocks <= 0 or block_offset + nb > stripe_blocks:
                 return None
-            if (not isinstance(checksums, list) or len(checksums) != nl
-                    or not all(type(c) is int and 0 <= c < 1 << 64 for c in checksums)):
-                return None
+            for sums in (checksums, stripe_sums):
+                if sums is stripe_sums and not sums:
+                    continue
+                if (not isinstance(sums, list) or len(sums) != nl
+                        or not all(type(c) is int and 0 <= c < 1 << 64 for c in sums)):
+                    return None
             if not stripe_id or len(stripe_id) > 64 or not stripe_id.isalnum():
                 return None
-            return cls(stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, tuple(checksums))
+            return cls(stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, tuple(checksums), tuple(stripe_sums))
         except (ValueError, TypeError, msgpack.UnpackException):
             return None

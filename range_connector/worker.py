@@ -58,6 +58,8 @@ class _ViewSource:
 
     def __init__(self, group: int, t: Ticket, layers: list[memoryview], row_dtype: torch.dtype) -> None:
         self.group, self.t, self.layers = group, t, layers
+        #: the whole stripe matched its per-layer checksums (set by the loader): no per-chunk checks needed.
+        self.whole_ok = False
         with warnings.catch_warnings():  # read-only buffers: only ever read (the index copy copies out)
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             self.tensors = [torch.frombuffer(v, dtype=torch.uint8).view(row_dtype).view(t.num_planes,
@@ -202,7 +204,7 @@ class RangeWorker:
                         good = False
                         break
                     source = sources[(s, t.stripe_id)]
-                    if self.config.verify_checksums and not self._verify(source, t):
+                    if self.config.verify_checksums and not source.whole_ok and not self._verify(source, t):
                         good = False
                         self.stats["load_integrity_errors"] += 1
                         self._drop(chunk.chunk_hash, s)
@@ -343,6 +345,15 @@ class RangeWorker:
             with missing_lock:
                 gone, broken = set(missing), set(errored)
             buf = bank.buffer
+            # Segments that hold a whole stripe are verified once per layer; a chunk of a verified segment needs no
+            # check of its own, a chunk of a failed one is checked alone (to fail only the bad chunks).
+            whole_ok: dict[tuple[int, str], bool] = {}
+            if self.config.verify_checksums:
+                for seg in segments:
+                    t = seg.ticket
+                    if t.stripe_checksums and seg.first_block == 0 and seg.num_blocks == t.stripe_blocks:
+                        whole_ok[(seg.shard_idx, t.stripe_id)] = self._verify_whole(
+                            buf, group, seg, region_bytes, num_planes, row_bytes)
             for req, chunk, parts, _, _ in plan:
                 if chunk.chunk_idx >= failed_from.get(req.req_id, 1 << 62):
                     continue
@@ -354,6 +365,8 @@ class RangeWorker:
                     continue
                 if self.config.verify_checksums:
                     for s, t, seg in parts:
+                        if whole_ok.get((s, t.stripe_id)):
+                            continue
                         if not self._verify_group(buf, group, seg, t, region_bytes, num_planes, row_bytes):
                             self.stats["load_integrity_errors"] += 1
                             self._drop(chunk.chunk_hash, s)
@@ -452,6 +465,21 @@ class RangeWorker:
                 with lock:
                     target.add((s, stripe_id))
 
+    def _verify_whole(self, buf: torch.Tensor, group: range, seg: Segment, region_bytes: int, num_planes: int,
+                      row_bytes: int) -> bool:
+        """Check a segment that holds a whole stripe against the stripe's per-layer checksums."""
+        mv = memoryview(buf.numpy()).cast("B")
+        t = seg.ticket
+        length = seg.num_blocks * row_bytes
+        for layer_idx in group:
+            h = xxhash.xxh3_64()
+            for p in range(num_planes):
+                start = ((layer_idx - group.start) * num_planes + p) * region_bytes + seg.bank_row * row_bytes
+                h.update(mv[start:start + length])
+            if h.intdigest() != t.stripe_checksums[layer_idx]:
+                return False
+        return True
+
     def _verify_group(self, buf: torch.Tensor, group: range, seg: Segment, t: Ticket, region_bytes: int,
                       num_planes: int, row_bytes: int) -> bool:
         mv = memoryview(buf.numpy()).cast("B")
@@ -492,7 +520,12 @@ class RangeWorker:
                         v.nbytes != seg.ticket.layer_bytes for v in layers):
                     missing.add(key)
                     continue
-                sources[key] = _ViewSource(len(sources), seg.ticket, layers, layout.row_dtype)
+                source = _ViewSource(len(sources), seg.ticket, layers, layout.row_dtype)
+                t = seg.ticket
+                whole = seg.first_block == 0 and seg.num_blocks == t.stripe_blocks
+                if self.config.verify_checksums and t.stripe_checksums and whole:
+                    source.whole_ok = all(xxhash.xxh3_64_intdigest(v) == c for v, c in zip(layers, t.stripe_checksums))
+                sources[key] = source
         return sources, missing
 
     def _verify(self, source: _ViewSource, t: Ticket) -> bool:
@@ -586,12 +619,13 @@ class RangeWorker:
             values = [gather_layer(self._rows, layout, layer_idx, index) for layer_idx in range(len(self.layer_names))]
         views = [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in values]
         stripe_id = new_stripe_id()
+        stripe_sums = tuple(xxhash.xxh3_64_intdigest(v) for v in views)
         tickets = []
         for c, (chunk_hash, _) in enumerate(chunks):
             sums = tuple(chunk_checksum(v, layout.num_planes, stripe_blocks, c * bps, bps, layout.row_bytes)
                          for v in views)
             t = Ticket(stripe_id, c * bps, bps, stripe_blocks, len(self.layer_names), layout.num_planes,
-                       layout.row_bytes, sums)
+                       layout.row_bytes, sums, stripe_sums)
             tickets.append((chunk_hash, t))
         write = StripeWrite(stripe_id, views, [(ticket_key(h, s, self.tp_rank), t.encode()) for h, t in tickets])
         try:
