@@ -19,6 +19,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -58,8 +59,8 @@ class _ViewSource:
 
     def __init__(self, group: int, t: Ticket, layers: list[memoryview], row_dtype: torch.dtype) -> None:
         self.group, self.t, self.layers = group, t, layers
-        #: the whole stripe matched its per-layer checksums (set by the loader): no per-chunk checks needed.
-        self.whole_ok = False
+        #: the load reads the whole stripe, which carries per-layer checksums: verified once per layer.
+        self.whole = False
         with warnings.catch_warnings():  # read-only buffers: only ever read (the index copy copies out)
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             self.tensors = [torch.frombuffer(v, dtype=torch.uint8).view(row_dtype).view(t.num_planes,
@@ -71,6 +72,10 @@ class _ViewSource:
 
     def row_of(self, stripe_block: int) -> int:
         return stripe_block
+
+    def check_whole(self) -> bool:
+        """Every layer value matches the stripe's per-layer checksum (xxh3 releases the GIL: runs beside copies)."""
+        return all(xxhash.xxh3_64_intdigest(v) == c for v, c in zip(self.layers, self.t.stripe_checksums))
 
     def chunk_bytes(self, layer_idx: int, plane_idx: int, t: Ticket) -> memoryview:
         start = (plane_idx * t.stripe_blocks + t.block_offset) * t.row_bytes
@@ -103,6 +108,7 @@ class RangeWorker:
         self._rows: list[torch.Tensor] = []
         self._banks = BankPool(config.num_banks)
         self._reader = BankReader()
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-verify")
         self._copy_stream = None  # CUDA only: the stream that copies banks into the KV cache
         self._layer_events: dict[str, object] = {}  # CUDA only: layer -> event of its last load copy
         self._failed_block_ids: set[int] = set()
@@ -189,10 +195,16 @@ class RangeWorker:
             logger.warning("Range loads passed their %.1f s deadline", self.config.load_deadline_s)
             self.stats["load_deadline_misses"] += 1
             missing.update(seg_of)
-        # 3. Verify each chunk's bytes in each layer; a chunk fails if any shard's slice is missing or bad.
+        # 3. Stripes lent whole are verified against their per-layer checksums in a helper thread while the copies
+        #    run (both are passes over memory; overlapping them is what keeps DRAM loads near a plain copy). Other
+        #    chunks are verified one by one first. A chunk fails if any shard's slice is missing or bad.
+        verify = self.config.verify_checksums
+        pending = {key: self._verifier.submit(src.check_whole) for key, src in sources.items()
+                   if verify and src.whole}
+        failed_from: dict[str, int] = {}
+        copied: list[tuple[RequestTransfer, object, list[int], list[tuple[int, Ticket]]]] = []
         copies: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))  # source -> (src, dst)
         for req in reqs:
-            failed_from = None
             for chunk in req.chunks:
                 good = (req.req_id, chunk.chunk_idx) not in bad_chunks
                 for s, t in enumerate(chunk.tickets if good else ()):
@@ -203,15 +215,15 @@ class RangeWorker:
                         self._drop(chunk.chunk_hash, s)
                         good = False
                         break
-                    source = sources[(s, t.stripe_id)]
-                    if self.config.verify_checksums and not source.whole_ok and not self._verify(source, t):
+                    if verify and (s, t.stripe_id) not in pending and not self._verify(sources[(s, t.stripe_id)], t):
                         good = False
                         self.stats["load_integrity_errors"] += 1
                         self._drop(chunk.chunk_hash, s)
                         break
                 if not good:
-                    failed_from = chunk.chunk_idx
+                    failed_from[req.req_id] = chunk.chunk_idx
                     break
+                dst_ids = []
                 for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
                     s, slot = self.plan.shard_of_block(pos)
                     t = chunk.tickets[s]
@@ -219,13 +231,10 @@ class RangeWorker:
                     src, dst = copies[source.group]
                     src.append(source.row_of(t.block_offset + slot))
                     dst.append(block_id)
-                    self.last_loaded_tickets.append((s, ticket_key(chunk.chunk_hash, s, self.tp_rank)))
-            if failed_from is not None:
-                self._fail_from(req, failed_from)
-        # 4. One batched index copy per (layer, plane) and source group: the whole bank is one group; lent stripe
-        #    views are one group per stripe.
+                    dst_ids.append(block_id)
+                copied.append((req, chunk, dst_ids, list(enumerate(chunk.tickets))))
+        # 4. One batched index copy per (layer, plane) and lent stripe.
         group_source = {src.group: src for src in sources.values()}
-        loaded = 0
         for group, (src_rows, dst_ids) in copies.items():
             source = group_source[group]
             dst = torch.tensor(dst_ids, dtype=torch.long)
@@ -235,8 +244,26 @@ class RangeWorker:
                     self._copy_rows(layer_idx, self._rows[layer_idx * num_planes + p], dst, source.rows(layer_idx, p),
                                     src)
             self.stats["copy_launches"] += num_layers * num_planes
-            self.loaded_block_log.extend(dst_ids)
-            loaded += len(dst_ids)
+        # 5. A stripe that failed its whole check: find its bad chunks one by one. Their blocks (already written) and
+        #    every later block of the request are reported, so vLLM recomputes them before anything reads them.
+        bad_stripes = {key for key, fut in pending.items() if not fut.result()}
+        loaded = 0
+        for req, chunk, dst_ids, parts in copied:
+            if chunk.chunk_idx >= failed_from.get(req.req_id, 1 << 62):
+                continue
+            for s, t in parts:
+                if (s, t.stripe_id) in bad_stripes and not self._verify(sources[(s, t.stripe_id)], t):
+                    self.stats["load_integrity_errors"] += 1
+                    self._drop(chunk.chunk_hash, s)
+                    failed_from[req.req_id] = chunk.chunk_idx
+                    break
+            else:
+                loaded += len(dst_ids)
+                self.loaded_block_log.extend(dst_ids)
+                self.last_loaded_tickets.extend((s, ticket_key(chunk.chunk_hash, s, self.tp_rank)) for s, _ in parts)
+        for req in reqs:
+            if req.req_id in failed_from:
+                self._fail_from(req, failed_from[req.req_id])
         self.stats["loaded_blocks"] += loaded
         self.stats["loaded_tokens"] += loaded * self.block_size
         self.stats["loaded_bytes"] += loaded * layout.block_bytes
@@ -522,9 +549,7 @@ class RangeWorker:
                     continue
                 source = _ViewSource(len(sources), seg.ticket, layers, layout.row_dtype)
                 t = seg.ticket
-                whole = seg.first_block == 0 and seg.num_blocks == t.stripe_blocks
-                if self.config.verify_checksums and t.stripe_checksums and whole:
-                    source.whole_ok = all(xxhash.xxh3_64_intdigest(v) == c for v, c in zip(layers, t.stripe_checksums))
+                source.whole = bool(t.stripe_checksums) and seg.first_block == 0 and seg.num_blocks == t.stripe_blocks
                 sources[key] = source
         return sources, missing
 
@@ -662,5 +687,6 @@ class RangeWorker:
     def close(self) -> None:
         """Release backend connections and the bank reader."""
         self._reader.close()
+        self._verifier.shutdown(wait=False)
         for b in {id(b): b for b in self.backends}.values():
             b.close()

@@ -752,7 +752,9 @@ def test_corrupt_stripe_bytes_fail_their_chunk_and_later_ones_and_the_ticket_is_
     bpc = 2
     good = b_blocks[:bad_chunk * bpc]
     assert res.invalid_block_ids == set(b_blocks[bad_chunk * bpc:8])  # the bad chunk and every later one
-    if path == "layer-banks":  # layer 0 of the failed chunks was copied before layer 1 failed (reported: harmless)
+    if path in ("layer-banks", "views"):
+        # layer-banks: layer 0 of the failed chunks was copied before layer 1 failed; views: whole stripes are
+        # verified while they are copied. Either way the written blocks are reported, so vLLM recomputes them.
         assert changed_blocks(res.before, res.after_load) == set(b_blocks[:8])
     else:
         assert changed_blocks(res.before, res.after_load) == set(good)
