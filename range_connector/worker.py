@@ -247,7 +247,7 @@ class RangeWorker:
         # 5. A stripe that failed its whole check: find its bad chunks one by one. Their blocks (already written) and
         #    every later block of the request are reported, so vLLM recomputes them before anything reads them.
         bad_stripes = {key for key, fut in pending.items() if not fut.result()}
-        loaded = 0
+        done: list[tuple[ChunkHash, list[int], list[int]]] = []
         for req, chunk, dst_ids, parts in copied:
             if chunk.chunk_idx >= failed_from.get(req.req_id, 1 << 62):
                 continue
@@ -258,15 +258,8 @@ class RangeWorker:
                     failed_from[req.req_id] = chunk.chunk_idx
                     break
             else:
-                loaded += len(dst_ids)
-                self.loaded_block_log.extend(dst_ids)
-                self.last_loaded_tickets.extend((s, ticket_key(chunk.chunk_hash, s, self.tp_rank)) for s, _ in parts)
-        for req in reqs:
-            if req.req_id in failed_from:
-                self._fail_from(req, failed_from[req.req_id])
-        self.stats["loaded_blocks"] += loaded
-        self.stats["loaded_tokens"] += loaded * self.block_size
-        self.stats["loaded_bytes"] += loaded * layout.block_bytes
+                done.append((chunk.chunk_hash, [s for s, _ in parts], dst_ids))
+        self._finish_load(reqs, failed_from, done)
 
     def _load_banked(self, reqs: list[RequestTransfer], segments: list[Segment], bad_chunks: set[tuple[str, int]],
                      deadline: float) -> None:
@@ -424,12 +417,21 @@ class RangeWorker:
                         self._banks.release(b)
                 break
         self.stats["bank_allocations"] = self._banks.allocations
+        done = [(chunk.chunk_hash, [s for s, _, _ in parts], c_dst) for req, chunk, parts, _, c_dst in plan
+                if chunk.chunk_idx < failed_from.get(req.req_id, 1 << 62)]
+        self._finish_load(reqs, failed_from, done)
+
+    def _finish_load(self, reqs: list[RequestTransfer], failed_from: dict[str, int],
+                     done: list[tuple[ChunkHash, list[int], list[int]]]) -> None:
+        """Record a load step: ``done`` = (chunk hash, shards, block ids written) of each chunk that landed whole;
+        requests in ``failed_from`` fail from that chunk on (reported to vLLM, which recomputes)."""
+        layout = self.layout
+        assert layout is not None
         loaded = 0
-        for req, chunk, parts, _, c_dst in plan:
-            if chunk.chunk_idx < failed_from.get(req.req_id, 1 << 62):
-                loaded += len(c_dst)
-                self.loaded_block_log.extend(c_dst)
-                self.last_loaded_tickets.extend((s, ticket_key(chunk.chunk_hash, s, self.tp_rank)) for s, _, _ in parts)
+        for chunk_hash, shards, dst_ids in done:
+            loaded += len(dst_ids)
+            self.loaded_block_log.extend(dst_ids)
+            self.last_loaded_tickets.extend((s, ticket_key(chunk_hash, s, self.tp_rank)) for s in shards)
         for req in reqs:
             if req.req_id in failed_from:
                 self._fail_from(req, failed_from[req.req_id])
