@@ -17,6 +17,8 @@ from typing import Any
 from range_connector.errors import ConfigError
 
 BACKEND_NAMES = ("valkey", "memory", "file")
+#: how a hit is loaded (see range_connector.loads)
+LOAD_MODES = ("pipelined", "async", "sync")
 
 #: key -> (unit, default shown to users, description). Order is the README's order.
 CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
@@ -49,7 +51,13 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "Where embedded Valkey servers are recorded (servers.json) and keep their data and logs.",
     ),
     "backend_timeout_s": ("s", "5.0", "Deadline of every single backend call (the whole call, not one socket read)."),
-    "load_deadline_s": ("s", "30.0", "Deadline of one step's loads; past it the blocks are recomputed."),
+    "load_deadline_s": ("s", "30.0", "Deadline of one load; past it the blocks are recomputed."),
+    "load_mode": (
+        "-",
+        "pipelined",
+        'How hits are loaded: "pipelined" (in the step, attention of layer l waits for layer l only), "async" (the '
+        'request waits while other requests run) or "sync" (all before the forward; for comparison only).',
+    ),
     "start_timeout_s": ("s", "10.0", "How long start-up waits for a backend server to answer."),
     "verify_checksums": ("-", "true", "Verify each loaded value's checksum before it reaches attention."),
     "memory_capacity_bytes": ("bytes", "1073741824", 'Byte budget of the "memory" backend (per worker).'),
@@ -99,6 +107,7 @@ class RangeConfig:
     file_dir: str | None = None
     backend_timeout_s: float = 5.0
     load_deadline_s: float = 30.0
+    load_mode: str = "pipelined"
     start_timeout_s: float = 10.0
     verify_checksums: bool = True
     memory_capacity_bytes: int = 1 << 30
@@ -133,6 +142,11 @@ class RangeConfig:
             if backend not in BACKEND_NAMES:
                 raise ConfigError("backend", f"{backend!r} is not one of {', '.join(BACKEND_NAMES)}")
             values["backend"] = backend
+        if "load_mode" in extra:
+            mode = extra["load_mode"]
+            if mode not in LOAD_MODES:
+                raise ConfigError("load_mode", f"{mode!r} is not one of {', '.join(LOAD_MODES)}")
+            values["load_mode"] = mode
         if "valkey_urls" in extra:
             urls = extra["valkey_urls"]
             if isinstance(urls, str):

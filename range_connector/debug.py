@@ -73,3 +73,11 @@ def connector_last_loaded_tickets(worker: Any) -> list[tuple[int, str]]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return [(s, k.decode()) for s, k in get_kv_transfer_group()._worker.last_loaded_tickets]
+
+
+def connector_load_timelines(worker: Any) -> list[dict]:
+    """Mode and per-layer timestamps (``time.monotonic()``: ready, delivered, waited for by attention) of the Range
+    worker's recent load jobs, oldest first."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return list(get_kv_transfer_group()._worker.load_timelines)
