@@ -17,7 +17,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 import xxhash
@@ -43,6 +43,9 @@ from range_connector.stripes import (
 from range_connector.tickets import Ticket, ticket_key
 
 logger = logging.getLogger("vllm." + __name__)
+
+#: how long ``get_finished`` lets asynchronous loads run before it looks at them (seconds, once per step)
+_ASYNC_POLL_S = 0.002
 
 
 class RangeWorker:
@@ -213,6 +216,10 @@ class RangeWorker:
             :meth:`take_failed_block_ids` in the same step.
         """
         self._finish_step_job()
+        if self._async_jobs:
+            # Yield the GIL for a moment: between steps vLLM's worker loop polls its message queue, and a busy
+            # loop would starve the threads that read and copy the asynchronous loads.
+            wait([fut for _job, fut in self._async_jobs.values()], timeout=_ASYNC_POLL_S, return_when=FIRST_COMPLETED)
         now = time.monotonic()
         out = set()
         for req_id, (job, fut) in list(self._async_jobs.items()):
