@@ -80,6 +80,24 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "After a backend call fails, the tier counts as down for this long: lookups miss and saves are skipped "
         "without waiting, then it is tried again.",
     ),
+    "tier_delay_s": (
+        "s",
+        "0.0",
+        "Benchmarks and tests: seconds added to every round trip to the tier (a latency-injecting wrapper around "
+        "the backend; range_connector/backends/latency.py).",
+    ),
+    "tier_bandwidth_bytes_per_s": (
+        "bytes/s",
+        "0 (no cap)",
+        "Benchmarks and tests: bandwidth cap of the tier's link, per shard and direction (reads, writes).",
+    ),
+    "tier_control_file": (
+        "path",
+        '"" (none)',
+        'Benchmarks and tests: JSON file ({"delay_s": s, "bandwidth_bytes_per_s": n, "frozen": bool}, any subset) '
+        "re-read at most every 100 ms that changes the tier's speed at run time; frozen calls time out after "
+        "backend_timeout_s.",
+    ),
     "namespace_salt": (
         "-",
         '""',
@@ -116,6 +134,9 @@ class RangeConfig:
     num_banks: int = 4
     bank_bytes: int = 64 << 20
     backend_retry_s: float = 10.0
+    tier_delay_s: float = 0.0
+    tier_bandwidth_bytes_per_s: float = 0.0
+    tier_control_file: str = ""
     namespace_salt: str = ""
 
     @classmethod
@@ -163,11 +184,14 @@ class RangeConfig:
         for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s", "lease_ttl_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key])
+        for key in ("tier_delay_s", "tier_bandwidth_bytes_per_s"):
+            if key in extra:
+                values[key] = _positive_float(key, extra[key], allow_zero=True)
         if "verify_checksums" in extra:
             if not isinstance(extra["verify_checksums"], bool):
                 raise ConfigError("verify_checksums", f"{extra['verify_checksums']!r} is not true or false")
             values["verify_checksums"] = extra["verify_checksums"]
-        for key in ("runtime_dir", "namespace_salt", "file_dir"):
+        for key in ("runtime_dir", "namespace_salt", "file_dir", "tier_control_file"):
             if key in extra:
                 if not isinstance(extra[key], str):
                     raise ConfigError(key, f"{extra[key]!r} is not a string")
@@ -210,6 +234,11 @@ class RangeConfig:
         return self
 
     @property
+    def slows_tier(self) -> bool:
+        """Whether the tier is wrapped by the latency-injecting backend (any ``tier_*`` key set)."""
+        return bool(self.tier_delay_s or self.tier_bandwidth_bytes_per_s or self.tier_control_file)
+
+    @property
     def resolved_runtime_dir(self) -> str:
         """``runtime_dir`` or its default (see :func:`range_connector.valkey_servers.default_runtime_dir`)."""
         if self.runtime_dir:
@@ -246,9 +275,10 @@ def _positive_int(key: str, value: Any, *, allow_zero: bool = False) -> int:
     return value
 
 
-def _positive_float(key: str, value: Any) -> float:
+def _positive_float(key: str, value: Any, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(key, f"{value!r} is not a number of seconds")
-    if value <= 0:
-        raise ConfigError(key, f"{value} must be > 0")
+        unit = "seconds" if key.endswith("_s") else "bytes per second" if key.endswith("_per_s") else "units"
+        raise ConfigError(key, f"{value!r} is not a number of {unit}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"{value} must be {'>= 0' if allow_zero else '> 0'}")
     return float(value)
