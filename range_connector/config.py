@@ -52,6 +52,12 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
     ),
     "backend_timeout_s": ("s", "5.0", "Deadline of every single backend call (the whole call, not one socket read)."),
     "load_deadline_s": ("s", "30.0", "Deadline of one load; past it the blocks are recomputed."),
+    "remote_wait_s": (
+        "s",
+        "10.0",
+        "How long a decode engine waits for KV that a prefill engine announced (kv_transfer_params) before it "
+        "recomputes what is missing.",
+    ),
     "load_mode": (
         "-",
         "pipelined",
@@ -126,6 +132,7 @@ class RangeConfig:
     backend_timeout_s: float = 5.0
     load_deadline_s: float = 30.0
     load_mode: str = "pipelined"
+    remote_wait_s: float = 10.0
     start_timeout_s: float = 10.0
     verify_checksums: bool = True
     memory_capacity_bytes: int = 1 << 30
@@ -184,7 +191,7 @@ class RangeConfig:
         for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s", "lease_ttl_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key])
-        for key in ("tier_delay_s", "tier_bandwidth_bytes_per_s"):
+        for key in ("tier_delay_s", "tier_bandwidth_bytes_per_s", "remote_wait_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key], allow_zero=True)
         if "verify_checksums" in extra:

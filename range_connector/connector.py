@@ -4,7 +4,9 @@ hook is one delegating line (the halves are :class:`~range_connector.scheduler.R
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm." + __name__)
 
+#: test only: keep layer-pipelined loads even where MLA attention skips the per-layer hooks (to show the gap)
+NO_MLA_FALLBACK_ENV = "RANGE_CONNECTOR_TEST_NO_MLA_FALLBACK"
+
 
 def build_namespace(vllm_config: VllmConfig, config: RangeConfig, group: compat.AttentionGroup) -> tuple[bytes, dict]:
     """Fingerprint of everything that changes KV bytes for this deployment (see namespace.py)."""
@@ -51,6 +56,13 @@ def build_namespace(vllm_config: VllmConfig, config: RangeConfig, group: compat.
         "salt": config.namespace_salt,
     }
     return namespace_fingerprint(fields), fields
+
+
+def producer_settings(namespace_fields: dict) -> dict:
+    """The settings a producer and a consumer must share, by name (sent in ``kv_transfer_params``; JSON-safe)."""
+    keys = ("model", "block_size", "chunk_tokens", "num_shards", "num_layers", "kv_spec", "packing", "shard_rule",
+            "format_version")
+    return {k: json.loads(json.dumps(namespace_fields[k], default=str)) for k in keys if k in namespace_fields}
 
 
 class RangeConnector(KVConnectorBase_V1):
@@ -79,10 +91,16 @@ class RangeConnector(KVConnectorBase_V1):
             self._scheduler = RangeScheduler(
                 config, self.namespace, group.block_size, backends,
                 can_load=role_name in ("kv_both", "kv_consumer"), can_save=role_name in ("kv_both", "kv_producer"),
-                num_layers=len(group.layer_names), layer_block_bytes=group.page_size_bytes)
+                num_layers=len(group.layer_names), layer_block_bytes=group.page_size_bytes,
+                settings=producer_settings(self.namespace_fields))
         else:
             self._worker = RangeWorker(config, group.block_size, group.layer_names, kv_cache_config.num_blocks,
                                        open_shard_backends(config), tp_rank=compat.tp_rank())
+            if compat.mla_layer_hooks_missing(group.is_mla) and os.environ.get(NO_MLA_FALLBACK_ENV) != "1":
+                logger.warning("Range: MLA attention on this platform takes its direct-call branch, which does not "
+                               "call the connector's per-layer hooks, and the engine patch is not applied "
+                               "(`range-connector patch apply`): every load completes before the forward")
+                self._worker.deliver_before_forward = True
         logger.info("RangeConnector %s: backend=%s shards=%d chunk_tokens=%d namespace=%s", role.name,
                     config.backend, config.num_shards, config.chunk_tokens, self.namespace.hex())
 

@@ -127,3 +127,10 @@ def mla_branch_probe(worker: Any) -> dict[str, Any]:
                                                                                           False))}
                    for name, layer in ctx.items() if hasattr(layer, "use_direct_call")},
     }
+
+
+def connector_worker_stats(worker: Any) -> dict[str, int]:
+    """The Range worker's own counters (cumulative)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group()._worker.stats)

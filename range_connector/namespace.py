@@ -89,3 +89,28 @@ def prefix_hash_chain(
         prev = h.digest(length=HASH_BYTES)
         out.append(ChunkHash(prev))
     return out
+
+
+def tail_chunk_hash(chain: Sequence[ChunkHash], namespace: bytes, salt: bytes, token_ids: Sequence[int] | np.ndarray,
+                    chunk_tokens: int) -> ChunkHash | None:
+    """Hash of a prompt's partial last chunk (the tokens after its last full chunk), or ``None`` if there are none.
+
+    A tail identifies exactly ``tokens[: len(tokens)]`` of this prompt: its hash is domain-separated from full-chunk
+    links and covers the tail's length, so a longer prompt never matches it (its chunk at that index holds more
+    tokens). Disaggregated prefill stores tails so that a decode engine loads all of a prompt but the last token.
+
+    Args:
+        chain: :func:`prefix_hash_chain` of the same tokens.
+        namespace: the namespace fingerprint.
+        salt: :func:`request_salt` of the request.
+        token_ids: ``[num_tokens]`` token ids.
+        chunk_tokens: tokens per chunk.
+    """
+    tokens = np.asarray(token_ids, dtype="<i4")
+    start = len(tokens) // chunk_tokens * chunk_tokens
+    if start == len(tokens):
+        return None
+    prev = chain[-1] if chain else blake3(namespace + b"\x00" + salt).digest(length=HASH_BYTES)
+    h = blake3(b"range-connector/tail\x00" + prev + int(len(tokens) - start).to_bytes(4, "little"))
+    h.update(tokens[start:].tobytes())
+    return ChunkHash(h.digest(length=HASH_BYTES))

@@ -17,7 +17,7 @@ from range_connector.backends.base import Backend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
 from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
-from range_connector.namespace import ChunkHash, prefix_hash_chain, request_salt
+from range_connector.namespace import ChunkHash, prefix_hash_chain, request_salt, tail_chunk_hash
 from range_connector.sharding import ShardPlan
 from range_connector.tickets import Ticket, ticket_key
 
@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm." + __name__)
+
+
+def settings_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    """``"key: theirs != ours, ..."`` for every setting both sides name with different values ("" if none)."""
+    return ", ".join(f"{k}: {theirs[k]!r} != {ours[k]!r}" for k in sorted(set(theirs) & set(ours))
+                     if theirs[k] != ours[k])
 
 
 def hit_tokens(num_stored_chunks: int, chunk_tokens: int, num_prompt_tokens: int, block_size: int) -> int:
@@ -52,18 +58,22 @@ class _RequestState:
     req_id: str
     prompt_token_ids: list[int]
     chunk_hashes: list[ChunkHash]
+    tail_hash: ChunkHash | None = None  # the partial last chunk (saved by producers only)
     block_ids: list[int] = field(default_factory=list)
     num_saved_chunks: int = 0  # chunks [0, num_saved_chunks) are stored or scheduled for saving
+    tail_saved: bool = False
 
 
 @dataclass
 class _Lookup:
     chunk_hashes: list[ChunkHash]
-    tickets: list[tuple[Ticket, ...]]  # [num_stored_chunks] x [num_shards]
-    num_stored_chunks: int
+    tickets: list[tuple[Ticket, ...]]  # [num_stored_chunks (+1 with the tail)] x [num_shards]
+    num_stored_chunks: int  # full chunks
     num_computed_tokens: int
     num_hit_tokens: int
     mode: str = "pipelined"
+    tail_hash: ChunkHash | None = None
+    has_tail: bool = False
 
 
 class RangeScheduler:
@@ -83,7 +93,7 @@ class RangeScheduler:
 
     def __init__(self, config: RangeConfig, namespace: bytes, block_size: int,
                  lookup_backends: list[Backend] | None, *, can_load: bool, can_save: bool,
-                 num_layers: int = 0, layer_block_bytes: int = 0) -> None:
+                 num_layers: int = 0, layer_block_bytes: int = 0, settings: dict[str, Any] | None = None) -> None:
         assert config.chunk_tokens is not None
         self.config = config
         self.namespace = namespace
@@ -95,6 +105,13 @@ class RangeScheduler:
         self.can_save = can_save
         self.num_layers = num_layers
         self.layer_block_bytes = layer_block_bytes
+        #: what a consumer must share with a producer (namespace and the settings behind it), sent in
+        #: ``kv_transfer_params`` so that mismatches are named, never silently mixed
+        self.settings = {"namespace": namespace.hex(), **(settings or {})}
+        #: a pure producer (prefill engine) also stores each prompt's partial last chunk, so that the decode engine
+        #: loads all of the prompt but the last token
+        self.save_tail = can_save and not can_load
+        self._remote_wait_until: dict[str, float] = {}  # req_id -> when to stop waiting for announced KV
         # The DRAM tier's index: chunk hash -> tickets (the bytes are in the worker, which reports saves/evictions).
         self._index: dict[ChunkHash, tuple[Ticket, ...]] = {}
         self._leases: dict[str, dict[int, list[str]]] = {}  # req_id -> shard -> leased stripe ids
@@ -104,17 +121,23 @@ class RangeScheduler:
         self._lookup_down_until = 0.0  # monotonic time before which lookups are misses (a shard just failed)
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
         self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
-                                      "lease_errors": 0}
+                                      "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
+                                      "settings_mismatches": 0}
 
     # ---------------------------------------------------------------- lookup
-    def _chain(self, request: Request) -> list[ChunkHash]:
+    def _chain(self, request: Request) -> tuple[list[ChunkHash], ChunkHash | None]:
+        """The prompt's prefix hash chain (full chunks) and the hash of its partial last chunk."""
         lora = request.lora_request.lora_name if getattr(request, "lora_request", None) else None
         media = [f.identifier for f in (getattr(request, "mm_features", None) or [])]
         salt = request_salt(lora, getattr(request, "cache_salt", None), media)
-        return prefix_hash_chain(self.namespace, salt, request.prompt_token_ids or [], self.chunk_tokens)
+        tokens = request.prompt_token_ids or []
+        chain = prefix_hash_chain(self.namespace, salt, tokens, self.chunk_tokens)
+        return chain, tail_chunk_hash(chain, self.namespace, salt, tokens, self.chunk_tokens)
 
-    def stored_prefix(self, chunk_hashes: list[ChunkHash]) -> list[tuple[Ticket, ...]]:
-        """Tickets of the leading chunks present on every shard.
+    def stored_prefix(self, chunk_hashes: list[ChunkHash], tail_hash: ChunkHash | None = None
+                      ) -> list[tuple[Ticket, ...]]:
+        """Tickets of the leading chunks present on every shard (with ``tail_hash``: the partial last chunk counts
+        as one more chunk after the full ones, asked for in the same batched request).
 
         One batched ticket read per shard, in parallel; the result is the minimum over shards of each shard's
         stored prefix. Why the minimum is exactly the longest prefix present on every shard: each shard's set of
@@ -125,6 +148,8 @@ class RangeScheduler:
         asking for ``backend_retry_s`` seconds, so a dead or frozen shard costs one timeout, not one per request.
         A ticket that does not fit the registered layout is a miss.
         """
+        if tail_hash is not None:
+            chunk_hashes = [*chunk_hashes, tail_hash]
         if not chunk_hashes:
             return []
         if self.lookup_backends is None:
@@ -169,17 +194,57 @@ class RangeScheduler:
         A producer (``can_load`` false) still looks up, so that it does not save again what is stored, but
         promises nothing.
         """
-        hashes = self._chain(request)
-        tickets = self.stored_prefix(hashes)
-        stored = len(tickets)
-        hit = hit_tokens(stored, self.chunk_tokens, len(request.prompt_token_ids or []), self.block_size)
+        hashes, tail = self._chain(request)
+        tickets = self.stored_prefix(hashes, tail if self.can_load else None)
+        stored = min(len(tickets), len(hashes))
+        has_tail = len(tickets) > len(hashes)
+        num_prompt = len(request.prompt_token_ids or [])
+        hit = hit_tokens(stored, self.chunk_tokens, num_prompt, self.block_size)
+        if has_tail:  # the whole prompt is stored: all of it but the last token (vLLM computes that one)
+            hit = max(hit, num_prompt - 1)
         self.stats["lookups"] += 1
         mode = self.config.load_mode
-        self._lookups[request.request_id] = _Lookup(hashes, tickets, stored, num_computed_tokens, hit, mode)
+        self._lookups[request.request_id] = _Lookup(hashes, tickets, stored, num_computed_tokens, hit, mode, tail,
+                                                    has_tail)
         if not self.can_load:
             return 0, False
+        if self._wait_for_announced_kv(request, hit):
+            return None, False  # vLLM asks again next step
         external = max(0, hit - num_computed_tokens)
         return external, external > 0 and mode == "async"
+
+    def _wait_for_announced_kv(self, request: Request, hit: int) -> bool:
+        """Whether to wait for KV that a producer announced in ``kv_transfer_params`` (disaggregated prefill) and
+        that is not all visible yet: at most ``remote_wait_s`` per request, then what is missing is recomputed.
+        A producer whose settings differ from ours is logged by name and not waited for."""
+        params = getattr(request, "kv_transfer_params", None)
+        info = params.get("range") if isinstance(params, dict) else None
+        if not isinstance(info, dict) or "num_tokens" not in info:
+            return False
+        theirs = info.get("settings") or {}
+        mismatched = settings_mismatch(theirs, self.settings)
+        if mismatched:
+            if request.request_id not in self._remote_wait_until:
+                self._remote_wait_until[request.request_id] = 0.0
+                self.stats["settings_mismatches"] += 1
+                logger.error("Range: request %s comes from a producer with other settings (%s); its KV is not used",
+                             request.request_id, mismatched)
+            return False
+        expected = min(int(info["num_tokens"]), len(request.prompt_token_ids or []) - 1)
+        if hit >= expected:
+            self._remote_wait_until.pop(request.request_id, None)
+            return False
+        now = time.monotonic()
+        until = self._remote_wait_until.setdefault(request.request_id, now + self.config.remote_wait_s)
+        if until and now < until:
+            self.stats["remote_waits"] += 1
+            return True
+        if until:
+            self._remote_wait_until[request.request_id] = 0.0
+            self.stats["remote_wait_timeouts"] += 1
+            logger.warning("Range: request %s: %d of the %d announced tokens arrived within %.1f s; recomputing the "
+                           "rest", request.request_id, hit, expected, self.config.remote_wait_s)
+        return False
 
     # ---------------------------------------------------------------- commit
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -187,12 +252,13 @@ class RangeScheduler:
         lookup = self._lookups.pop(request.request_id, None)
         state = self._requests.get(request.request_id)
         if state is None:
-            hashes = lookup.chunk_hashes if lookup else self._chain(request)
-            state = _RequestState(request.request_id, list(request.prompt_token_ids or []), hashes)
+            hashes, tail = (lookup.chunk_hashes, lookup.tail_hash) if lookup else self._chain(request)
+            state = _RequestState(request.request_id, list(request.prompt_token_ids or []), hashes, tail)
             self._requests[request.request_id] = state
         if lookup is not None and self.can_save:
             # Chunks already stored are not saved again.
             state.num_saved_chunks = max(state.num_saved_chunks, lookup.num_stored_chunks)
+            state.tail_saved = state.tail_saved or lookup.has_tail
         if num_external_tokens <= 0:
             return
         bpc = self.plan.blocks_per_chunk
@@ -210,10 +276,12 @@ class RangeScheduler:
         first_token = lookup.num_computed_tokens
         last_token = first_token + num_external_tokens
         chunks = []
-        first_block, end_block = first_token // self.block_size, last_token // self.block_size
+        # A hit that ends inside a block (a stored tail) loads that whole block; vLLM computes the rest of it.
+        first_block, end_block = first_token // self.block_size, -(-last_token // self.block_size)
         for chunk_idx in range(first_block // bpc, (end_block + bpc - 1) // bpc):
             positions = [p for p in range(bpc) if first_block <= chunk_idx * bpc + p < end_block]
-            chunks.append(ChunkTransfer(chunk_idx, state.chunk_hashes[chunk_idx], tuple(positions),
+            chunk_hash = state.chunk_hashes[chunk_idx] if chunk_idx < len(state.chunk_hashes) else state.tail_hash
+            chunks.append(ChunkTransfer(chunk_idx, chunk_hash, tuple(positions),  # type: ignore[arg-type]
                                         tuple(block_ids[chunk_idx * bpc + p] for p in positions),
                                         lookup.tickets[chunk_idx]))
         self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens, mode=lookup.mode))
@@ -298,17 +366,28 @@ class RangeScheduler:
         bpc = self.plan.blocks_per_chunk
         num_full = min(num_computed_tokens, len(state.prompt_token_ids)) // self.chunk_tokens
         num_full = min(num_full, len(state.chunk_hashes), len(state.block_ids) // bpc)
-        if num_full <= state.num_saved_chunks:
-            return None
-        chunks = tuple(
+        chunks = [
             ChunkTransfer(c, state.chunk_hashes[c], tuple(range(bpc)), tuple(state.block_ids[c * bpc:(c + 1) * bpc]))
             for c in range(state.num_saved_chunks, num_full)
             if self.lookup_backends is not None or state.chunk_hashes[c] not in self._index
-        )
-        state.num_saved_chunks = num_full
+        ]
+        state.num_saved_chunks = max(state.num_saved_chunks, num_full)
+        num_tokens = len(chunks) * self.chunk_tokens
+        num_prompt = len(state.prompt_token_ids)
+        if (self.save_tail and state.tail_hash is not None and not state.tail_saved and num_computed_tokens >= num_prompt
+                and state.num_saved_chunks == len(state.chunk_hashes)):
+            # The partial last chunk, as a whole chunk whose slots past the prompt are never loaded (padded with
+            # its last block, so every stripe keeps one geometry).
+            first = len(state.chunk_hashes) * bpc
+            ids = state.block_ids[first:-(-num_prompt // self.block_size)]
+            if ids:
+                ids = ids + [ids[-1]] * (bpc - len(ids))
+                chunks.append(ChunkTransfer(len(state.chunk_hashes), state.tail_hash, tuple(range(bpc)), tuple(ids)))
+                num_tokens += num_prompt - first * self.block_size
+                state.tail_saved = True
         if not chunks:
             return None
-        return RequestTransfer(state.req_id, chunks, len(chunks) * self.chunk_tokens)
+        return RequestTransfer(state.req_id, tuple(chunks), num_tokens)
 
     def update_connector_output(self, worker_meta: RangeWorkerMetadata | None) -> None:
         """Learn completed saves and dropped values (the DRAM tier's index lives here)."""
@@ -328,11 +407,36 @@ class RangeScheduler:
             self._index.pop(h, None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves are synchronous within a step, so the blocks can be freed now."""
-        self._requests.pop(request.request_id, None)
+        """Forget the request; saves are synchronous within a step, so the blocks can be freed now.
+
+        Returns ``kv_transfer_params`` when the request asked for them (``do_remote_decode`` from a disaggregated
+        proxy, or ``range_describe``): ``{"range": {"settings": ..., "namespace": ..., "chain_head": ...,
+        "num_tokens": ...}}``, the tokens this producer stored for the prompt (durable: written in the step that
+        computed them, before vLLM answers the request). ``range_expect`` (the consumer's settings, sent by the
+        proxy) is compared with ours and a mismatch is logged by name.
+        """
+        state = self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._remote_wait_until.pop(request.request_id, None)
         self._release_leases(request.request_id)
-        return False, None
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict) or not (params.get("do_remote_decode") or params.get("range_describe")):
+            return False, None
+        info: dict[str, Any] = {"version": 1, "settings": self.settings}
+        expect = params.get("range_expect")
+        if isinstance(expect, dict):
+            mismatched = settings_mismatch(expect, self.settings)
+            if mismatched:
+                self.stats["settings_mismatches"] += 1
+                logger.error("Range: request %s: the consumer's settings differ from this producer's (%s)",
+                             request.request_id, mismatched)
+        if self.can_save and state is not None:
+            num_tokens = state.num_saved_chunks * self.chunk_tokens
+            head = state.chunk_hashes[state.num_saved_chunks - 1] if state.num_saved_chunks else None
+            if state.tail_saved:
+                num_tokens, head = len(state.prompt_token_ids), state.tail_hash
+            info.update(num_tokens=num_tokens, chain_head=head.hex() if head else None)
+        return False, {"range": info}
 
     def close(self) -> None:
         """Release leases, lookup connections and threads."""

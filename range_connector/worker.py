@@ -23,7 +23,6 @@ import torch
 import xxhash
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
-from range_connector.backends.memory import MemoryBackend
 from range_connector.banks import BankPool, BankReader
 from range_connector.loads import ASYNC, PIPELINED, SYNC, LoadJob
 from range_connector.config import RangeConfig
@@ -414,8 +413,9 @@ class RangeWorker:
         """Saves completed, loads finished, and chunks dropped since the last call."""
         dropped = list(self._dropped)
         for b in {id(b): b for b in self.backends}.values():
-            if isinstance(b, MemoryBackend):
-                for key in b.take_evicted():
+            take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
+            if take_evicted is not None:
+                for key in take_evicted():
                     dropped.append(ChunkHash(bytes.fromhex(key.split(b":")[2].decode())))
         if not (self._saved or dropped or self._failed_loads or self._loaded_reqs):
             return None

@@ -75,6 +75,8 @@ def main(spec_path: str, out_path: str) -> None:
             ids = llm.collective_rpc(debug.connector_loaded_block_ids)[0]
             digests = llm.collective_rpc(debug.engine_block_digests, args=(ids,))[0]
             results.append({"block_ids": ids, "digests": [digests[b] for b in ids]})
+        elif op == "worker_stats":
+            results.append({"stats": llm.collective_rpc(debug.connector_worker_stats)[0]})
         elif op == "load_timelines":
             results.append({"timelines": llm.collective_rpc(debug.connector_load_timelines)[0]})
         elif op == "block_digests":

@@ -8,6 +8,11 @@ Two engines, the same steps (a prompt, vLLM's prefix cache reset, the prompt aga
 * a private copy of vLLM with the patch applied (fixture ``vllm_copy``; the installed vLLM is never written): every
   MLA layer's ``wait_for_layer_load`` and ``save_kv_layer`` run in every forward step, and the greedy tokens are
   those of the unpatched run.
+
+Without the patch the connector falls back to completing every load before the forward (the unpatched run above);
+with that fallback switched off (test-only ``RANGE_CONNECTOR_TEST_NO_MLA_FALLBACK``), its layer-pipelined loads are
+read by attention before they land, which the worker detects (``layers_read_before_load``) and reports as load
+errors so vLLM recomputes. Loaded blocks are compared by BLAKE3 with the blocks the run's own cold pass computed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import pytest
 
 from range_connector import cli
+from range_connector.connector import NO_MLA_FALLBACK_ENV
 from range_connector.plugin import FORCE_MLA_DIRECT_CALL_ENV
 from range_connector.tiny_models import build_model
 from tests.integration.harness import prompt_ids, run_engine
@@ -34,9 +40,11 @@ def test_patched_direct_call_branch_reaches_the_layer_hooks(vllm_copy, tmp_path)
                 {"op": "count_layer_hooks"}, {"op": "mla_probe"},                                  # 0, 1
                 {"op": "generate", "prompts": [x]}, {"op": "reset_prefix_cache"},                  # 2, 3
                 {"op": "generate", "prompts": [x]}, {"op": "layer_hook_counts"},                   # 4, 5
+                {"op": "last_loads"}, {"op": "worker_stats"}, {"op": "block_digests"},             # 6, 7, 8
             ]}
     switch = {FORCE_MLA_DIRECT_CALL_ENV: "1", "PYTHONDONTWRITEBYTECODE": "1"}
     unpatched = run_engine(tmp_path, "unpatched", spec, env=switch)
+    no_fallback = run_engine(tmp_path, "no-fallback", spec, env={**switch, NO_MLA_FALLBACK_ENV: "1"})
     assert cli.main(["patch", "apply", "--vllm-dir", str(vllm_copy.vllm_dir)]) == 0
     pythonpath = os.pathsep.join([str(vllm_copy.root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     patched = run_engine(tmp_path, "patched", spec, env={**switch, "PYTHONPATH": pythonpath})
@@ -60,3 +68,20 @@ def test_patched_direct_call_branch_reaches_the_layer_hooks(vllm_copy, tmp_path)
         assert len(per_layer) == 1 and per_layer.pop() >= 2, (hook, counts[hook])  # every layer, every step
     assert patched[2]["token_ids"] == unpatched[2]["token_ids"]
     assert patched[4]["token_ids"] == unpatched[4]["token_ids"]
+
+
+    # Unpatched: the fallback delivered every load before the forward, so nothing was read early.
+    assert unpatched[7]["stats"].get("layers_read_before_load", 0) == 0
+    assert unpatched[7]["stats"]["failed_blocks"] == 0
+    # Patched: loads are layer-pipelined, and every layer was waited for.
+    assert patched[7]["stats"].get("layers_read_before_load", 0) == 0
+    assert patched[7]["stats"]["failed_blocks"] == 0
+    for run in (unpatched, patched):
+        loaded = run[6]["digests"]
+        assert len(loaded) == 512 // MLA_BLOCK_SIZE
+        assert set(loaded) <= set(run[8]["digests"].values())  # the blocks the cold pass computed
+    # Without the patch and without the fallback: attention read layers before they landed; the worker saw it and
+    # reported the whole load, so vLLM recomputed those blocks.
+    stats = no_fallback[7]["stats"]
+    assert stats["layers_read_before_load"] >= len(layer_names)
+    assert stats["failed_blocks"] >= 512 // MLA_BLOCK_SIZE
