@@ -31,21 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = [
-    "Action",
-    "Decision",
-    "LoadMode",
-    "PrefillRate",
-    "TierEstimate",
-    "break_even_bandwidth_bytes_per_s",
-    "combine_shards",
-    "decide",
-    "layout_bytes_per_token",
-    "load_time_s",
-    "min_winning_prompt_tokens",
-    "pipelined_time_s",
-    "recompute_time_s",
-]
+__all__ = ["Action", "Decision", "LoadMode", "PrefillRate", "TierEstimate", "break_even_bandwidth_bytes_per_s",
+           "combine_shards", "decide", "layout_bytes_per_token", "load_time_s", "min_winning_prompt_tokens",
+           "pipelined_time_s", "recompute_time_s"]
+
+
+_TIE = 1e-9  # relative: a predicted saving this small is rounding, and recomputing is the safe side of a tie
 
 
 def _number(name: str, value: float, *, positive: bool = False, allow_inf: bool = False) -> float:
@@ -350,9 +341,10 @@ def decide(prompt_tokens: int, num_computed_tokens: int, hit_tokens: int, *, byt
     * PIPELINED: ``T0 + max(X, Y) + min(X, Y)/num_layers`` (:func:`pipelined_time_s`);
 
     against ``C([c, prompt))`` without a load. The cheapest candidate is taken if it saves more than
-    ``min_saving_s``; ``h' < H`` is a SHORTEN (this pays in pipelined mode when the tier is slower than compute:
-    load a prefix while the rest is computed). Only a few candidates are evaluated: both ends and the two around
-    the point where ``X`` crosses ``Y`` (the cost is quasi-convex in pipelined mode and concave in async mode).
+    ``min_saving_s`` (and more than rounding: a tie is refused); ``h' < H`` is a SHORTEN (this pays in pipelined mode when the tier is slower than compute:
+    load a prefix while the rest is computed). ``Y`` is concave in ``h'`` and ``X`` linear, so either cost is
+    concave on each side of the point where ``X`` overtakes ``Y``: only both ends and the two candidates around that
+    point are evaluated (found by bisection).
     With ``probe`` a refusal becomes the shortest candidate, flagged ``is_probe``, so the tier is re-measured.
 
     Args:
@@ -382,10 +374,11 @@ def decide(prompt_tokens: int, num_computed_tokens: int, hit_tokens: int, *, byt
                    _tokens("hit_tokens", hit_tokens))
     s = _number("bytes_per_token", bytes_per_token)
     r = _as_rate(rate)
-    if _tokens("block_size", block_size) < 1 or _tokens("chunk_tokens", chunk_tokens) < 1 or chunk_tokens % block_size:
-        raise ValueError(f"chunk_tokens: {chunk_tokens} is not a positive multiple of block_size {block_size}")
-    if _tokens("num_layers", num_layers) < 1:
-        raise ValueError("num_layers: must be >= 1")
+    for name, value in (("block_size", block_size), ("chunk_tokens", chunk_tokens), ("num_layers", num_layers)):
+        if _tokens(name, value) < 1:
+            raise ValueError(f"{name}: must be >= 1")
+    if chunk_tokens % block_size:
+        raise ValueError(f"chunk_tokens: {chunk_tokens} is not a multiple of block_size {block_size}")
     if big_h % block_size or (big_h > 0 and big_h >= n):
         raise ValueError(f"hit_tokens: {big_h} is not a multiple of block_size {block_size} below prompt_tokens {n}")
     step = _number("step_s", step_s)
@@ -407,36 +400,41 @@ def decide(prompt_tokens: int, num_computed_tokens: int, hit_tokens: int, *, byt
         return pipelined_time_s(tier.t0_s, x, y, num_layers)
 
     def result(action: Action, h: int, reason: str, is_probe: bool = False) -> Decision:
-        shown = h if action is not Action.REFUSE else big_h
-        loaded = max(shown, c)
-        return Decision(action, mode, h if action is not Action.REFUSE else c,
-                        h - c if action is not Action.REFUSE else 0, offered,
-                        load_of(loaded) if loaded > c else 0.0, r.time_s(c, loaded),
-                        with_load(loaded) if loaded > c else without, without, is_probe, reason)
+        # A refusal reports the predictions of the offered hit: logs and metrics show what was declined.
+        shown, loads = (big_h, False) if action is Action.REFUSE else (h, True)
+        return Decision(action, mode, h if loads else c, h - c if loads else 0, offered,
+                        load_of(shown) if shown > c else 0.0, r.time_s(c, max(shown, c)),
+                        with_load(shown) if shown > c else without, without, is_probe, reason)
 
     if offered == 0:
         return result(Action.REFUSE, c, "nothing to load beyond the local prefix")
-    first = (c // chunk_tokens + 1) * chunk_tokens  # shortest whole-chunk candidate above c
-    candidates = list(range(first, big_h, chunk_tokens)) + [big_h]
+    # Candidates: whole chunks first + i·chunk_tokens below H (i < num_short), then H itself (i = num_short).
+    first = (c // chunk_tokens + 1) * chunk_tokens
+    num_short = max(0, -(-(big_h - first) // chunk_tokens))
+
+    def candidate(i: int) -> int:
+        return first + i * chunk_tokens if i < num_short else big_h
+
     # First candidate whose transfer is at least its suffix compute (X rises with h', Y falls): bisection.
-    lo, hi = 0, len(candidates) - 1
+    lo, hi = 0, num_short
     while lo < hi:
         mid = (lo + hi) // 2
-        h = candidates[mid]
-        if tier.transfer_s((h - c) * s) >= r.time_s(h, n):
+        if tier.transfer_s((candidate(mid) - c) * s) >= r.time_s(candidate(mid), n):
             hi = mid
         else:
             lo = mid + 1
-    picks = {0, len(candidates) - 1, lo, max(0, lo - 1)}
-    best = min((candidates[i] for i in sorted(picks)), key=lambda h: (with_load(h), -h))
+    # The cost is concave on each side of that point, so its minimum is at one of these four.
+    picks = {candidate(i) for i in (0, max(0, lo - 1), lo, num_short)}
+    best = min(sorted(picks), key=lambda h: (with_load(h), -h))
     best_cost = with_load(best)
-    if best_cost + margin < without:
+    if best_cost + margin < without * (1 - _TIE):
         action = Action.TAKE if best == big_h else Action.SHORTEN
         what = "all" if action is Action.TAKE else f"{best - c} of {offered}"
         return result(action, best, f"{mode.value}: loading {what} tokens saves {without - best_cost:.4g} s")
     if probe:
-        return result(Action.TAKE if candidates[0] == big_h else Action.SHORTEN, candidates[0],
-                      f"probe: {candidates[0] - c} tokens to re-measure a refused tier", is_probe=True)
+        shortest = candidate(0)
+        return result(Action.TAKE if shortest == big_h else Action.SHORTEN, shortest,
+                      f"probe: {shortest - c} tokens to re-measure a refused tier", is_probe=True)
     if math.isinf(best_cost):
         return result(Action.REFUSE, c, "tier delivers no bandwidth")
     return result(Action.REFUSE, c, f"{mode.value}: {without:.4g} s without a load, {best_cost:.4g} s with the best "

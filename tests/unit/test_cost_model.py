@@ -355,7 +355,7 @@ def test_decision_is_the_best_of_every_whole_chunk_candidate(request) -> None:
     first = (computed // kw["chunk_tokens"] + 1) * kw["chunk_tokens"]
     best = min(cost(h) for h in [*range(first, hit, kw["chunk_tokens"]), hit])
     if d.action is Action.REFUSE:
-        assert not best + kw["min_saving_s"] < d.without_load_s
+        assert not best + kw["min_saving_s"] < d.without_load_s * (1 - 1e-9)  # a tie within rounding is refused
     else:
         assert d.with_load_s <= best * (1 + 1e-9) + 1e-12
 
