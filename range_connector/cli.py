@@ -5,13 +5,17 @@ listed in :data:`_COMMAND_GROUPS`, and each leaf command sets ``handler`` (a fun
 ``argparse.Namespace`` and returning an exit code) with ``parser.set_defaults(handler=...)``. To add a topic
 (``proxy``, ``calibrate``, ``patch``, ``doctor``), write its registrar and append it to :data:`_COMMAND_GROUPS`.
 
-Exit codes: 0 success, 1 a backend/runtime failure, 2 bad input (one line on stderr, no usage dump).
+Exit codes: 0 success, 1 a backend/runtime failure, 2 bad input (one line on stderr, no usage dump); ``patch check``
+also exits 3 when the patch is not applied (and 2 when the vLLM file is not the pinned one).
 
 Examples::
 
     range-connector valkey start --shards 2
     range-connector valkey status
     range-connector valkey stop
+    range-connector patch check          # the engine patch (patches/README.md) on the installed vLLM
+    range-connector patch apply
+    range-connector patch revert
     range-connector calibrate --model /path/to/model --output calibration.json
     range-connector calibrate --tiny --quick --backends valkey,file
 """
@@ -25,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from range_connector.errors import ConfigError, RangeError
+from range_connector.errors import ConfigError, PatchMismatchError, RangeError
 
 __all__ = ["build_parser", "main"]
 
@@ -33,6 +37,7 @@ PROG = "range-connector"
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
+EXIT_PATCH_NOT_APPLIED = 3
 
 
 class _BadInput(Exception):
@@ -171,6 +176,51 @@ def _valkey_stop(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# patch
+
+
+def _add_patch_commands(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    patch_parser = subparsers.add_parser(
+        "patch", help="the engine patch: MLA's direct-call branch reaches the connector's per-layer hooks")
+    patch_commands = patch_parser.add_subparsers(dest="patch_command", metavar="{check,apply,revert}")
+    patch_commands.required = True
+    for name, handler, help_text in (
+        ("check", _patch_check, "exit 0 if applied, 3 if not applied, 2 if the file is not the pinned vLLM's"),
+        ("apply", _patch_apply, "apply it (atomic write, the original kept as a backup); a no-op if applied"),
+        ("revert", _patch_revert, "restore the original bytes and remove the backup; a no-op if not applied"),
+    ):
+        command = patch_commands.add_parser(name, help=help_text)
+        command.add_argument("--vllm-dir", type=Path, default=None,
+                             help="vLLM's package directory (default: the installed vLLM, found without importing it)")
+        command.set_defaults(handler=handler)
+
+
+def _patch_check(args: argparse.Namespace) -> int:
+    from range_connector.patching import PatchState, patch_status
+
+    status = patch_status(args.vllm_dir)
+    print(f"{status.state.value}: {status.target}")
+    return EXIT_OK if status.state is PatchState.APPLIED else EXIT_PATCH_NOT_APPLIED
+
+
+def _patch_apply(args: argparse.Namespace) -> int:
+    from range_connector.patching import PATCH_NAME, apply_patch
+
+    status, changed = apply_patch(args.vllm_dir)
+    print(f"applied {PATCH_NAME} to {status.target} (original kept in {status.backup})" if changed
+          else f"already applied: {status.target}")
+    return EXIT_OK
+
+
+def _patch_revert(args: argparse.Namespace) -> int:
+    from range_connector.patching import revert_patch
+
+    status, changed = revert_patch(args.vllm_dir)
+    print(f"reverted: {status.target}" if changed else f"not applied: {status.target}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------------------------
 # calibrate
 
 
@@ -257,7 +307,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 # Parser and entry point
 
 _COMMAND_GROUPS: tuple[Callable[[argparse._SubParsersAction[_Parser]], None], ...] = (
-    _add_valkey_commands, _add_calibrate_commands)
+    _add_valkey_commands,
+    _add_patch_commands,
+    _add_calibrate_commands,
+)
 """Registrars of the command topics, in the order ``--help`` lists them."""
 
 
@@ -282,7 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        Exit code: 0 success, 1 a backend or runtime failure, 2 bad input. Errors are printed as one line on stderr.
+        Exit code: 0 success, 1 a backend or runtime failure, 2 bad input (including a vLLM file the engine patch
+        was not written for), 3 ``patch check`` found the patch not applied. Errors are one line on stderr.
     """
     parser = build_parser()
     try:
@@ -294,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     try:
         return int(args.handler(args))
-    except ConfigError as exc:
+    except (ConfigError, PatchMismatchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RangeError as exc:

@@ -157,3 +157,58 @@ def apply_cpu_workarounds() -> None:
 
     RotaryEmbedding.forward_cpu = forward_cpu
     RotaryEmbedding._range_connector_rope_fix = True
+
+
+# ---------------------------------------------------------------------------------------- MLA direct-call branch
+# vLLM 0.32.0, model_executor/layers/attention/mla_attention.py: MLAAttention.__init__ sets
+# ``use_direct_call = not current_platform.opaque_attention_op()`` (line 607), and the direct-call branch of
+# ``forward`` (lines 821-863) calls ``forward_impl`` without the connector's ``wait_for_layer_load`` and
+# ``save_kv_layer``, which the custom-op path gets from ``@maybe_transfer_kv_layer`` (line 1463). patches/README.md.
+
+
+def mla_direct_call_branch_taken() -> bool:
+    """Whether MLA layers built in this process take ``MLAAttention.forward``'s direct-call branch.
+
+    True where the running platform's ``opaque_attention_op()`` is False: the base platform's default, so
+    out-of-tree hardware plugins that do not override it; False on vLLM's CUDA, ROCm, XPU and CPU platforms (unless
+    the test switch :func:`force_mla_direct_call` ran in this process).
+    """
+    from vllm.platforms import current_platform
+
+    return not current_platform.opaque_attention_op()
+
+
+def mla_patch_applied() -> bool:
+    """Whether the ``MLAAttention.forward`` running in this process calls the connector's per-layer hooks.
+
+    Reads the loaded code (the names its bytecode uses), not the file on disk: a file patched after this process
+    imported vLLM does not count until the process restarts.
+    """
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return {"wait_for_layer_load", "save_kv_layer"} <= set(MLAAttention.forward.__code__.co_names)
+
+
+def mla_layer_hooks_missing(is_mla: bool) -> bool:
+    """Whether attention would read MLA layers without waiting for them: MLA, direct-call branch, no patch.
+
+    When True the worker must finish loading every MLA layer before the forward (in ``start_load_kv``) instead of
+    per layer in ``wait_for_layer_load``, which this branch never calls.
+    """
+    return is_mla and mla_direct_call_branch_taken() and not mla_patch_applied()
+
+
+def force_mla_direct_call() -> None:
+    """Test switch: make this process's platform report ``opaque_attention_op() == False`` (idempotent).
+
+    Attention layers built afterwards (MLA and dense) take their direct-call branch, as on platforms that do not
+    register attention as one opaque custom op. For tests on CPU only (``RANGE_CONNECTOR_TEST_FORCE_MLA_DIRECT_CALL``
+    in :mod:`range_connector.plugin`); it cannot be undone in the process.
+    """
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    if getattr(platform_cls, "_range_connector_forced_direct_call", False):
+        return
+    platform_cls.opaque_attention_op = classmethod(lambda cls: False)  # type: ignore[method-assign,assignment]
+    platform_cls._range_connector_forced_direct_call = True  # type: ignore[attr-defined]

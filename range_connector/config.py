@@ -17,6 +17,8 @@ from typing import Any
 from range_connector.errors import ConfigError
 
 BACKEND_NAMES = ("valkey", "memory", "file")
+#: how a hit is loaded (see range_connector.loads)
+LOAD_MODES = ("pipelined", "async", "sync")
 
 #: key -> (unit, default shown to users, description). Order is the README's order.
 CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
@@ -49,7 +51,13 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "Where embedded Valkey servers are recorded (servers.json) and keep their data and logs.",
     ),
     "backend_timeout_s": ("s", "5.0", "Deadline of every single backend call (the whole call, not one socket read)."),
-    "load_deadline_s": ("s", "30.0", "Deadline of one step's loads; past it the blocks are recomputed."),
+    "load_deadline_s": ("s", "30.0", "Deadline of one load; past it the blocks are recomputed."),
+    "load_mode": (
+        "-",
+        "pipelined",
+        'How hits are loaded: "pipelined" (in the step, attention of layer l waits for layer l only), "async" (the '
+        'request waits while other requests run) or "sync" (all before the forward; for comparison only).',
+    ),
     "start_timeout_s": ("s", "10.0", "How long start-up waits for a backend server to answer."),
     "verify_checksums": ("-", "true", "Verify each loaded value's checksum before it reaches attention."),
     "memory_capacity_bytes": ("bytes", "1073741824", 'Byte budget of the "memory" backend (per worker).'),
@@ -71,6 +79,24 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "10.0",
         "After a backend call fails, the tier counts as down for this long: lookups miss and saves are skipped "
         "without waiting, then it is tried again.",
+    ),
+    "tier_delay_s": (
+        "s",
+        "0.0",
+        "Benchmarks and tests: seconds added to every round trip to the tier (a latency-injecting wrapper around "
+        "the backend; range_connector/backends/latency.py).",
+    ),
+    "tier_bandwidth_bytes_per_s": (
+        "bytes/s",
+        "0 (no cap)",
+        "Benchmarks and tests: bandwidth cap of the tier's link, per shard and direction (reads, writes).",
+    ),
+    "tier_control_file": (
+        "path",
+        '"" (none)',
+        'Benchmarks and tests: JSON file ({"delay_s": s, "bandwidth_bytes_per_s": n, "frozen": bool}, any subset) '
+        "re-read at most every 100 ms that changes the tier's speed at run time; frozen calls time out after "
+        "backend_timeout_s.",
     ),
     "namespace_salt": (
         "-",
@@ -99,6 +125,7 @@ class RangeConfig:
     file_dir: str | None = None
     backend_timeout_s: float = 5.0
     load_deadline_s: float = 30.0
+    load_mode: str = "pipelined"
     start_timeout_s: float = 10.0
     verify_checksums: bool = True
     memory_capacity_bytes: int = 1 << 30
@@ -107,6 +134,9 @@ class RangeConfig:
     num_banks: int = 4
     bank_bytes: int = 64 << 20
     backend_retry_s: float = 10.0
+    tier_delay_s: float = 0.0
+    tier_bandwidth_bytes_per_s: float = 0.0
+    tier_control_file: str = ""
     namespace_salt: str = ""
 
     @classmethod
@@ -133,6 +163,11 @@ class RangeConfig:
             if backend not in BACKEND_NAMES:
                 raise ConfigError("backend", f"{backend!r} is not one of {', '.join(BACKEND_NAMES)}")
             values["backend"] = backend
+        if "load_mode" in extra:
+            mode = extra["load_mode"]
+            if mode not in LOAD_MODES:
+                raise ConfigError("load_mode", f"{mode!r} is not one of {', '.join(LOAD_MODES)}")
+            values["load_mode"] = mode
         if "valkey_urls" in extra:
             urls = extra["valkey_urls"]
             if isinstance(urls, str):
@@ -149,11 +184,14 @@ class RangeConfig:
         for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s", "lease_ttl_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key])
+        for key in ("tier_delay_s", "tier_bandwidth_bytes_per_s"):
+            if key in extra:
+                values[key] = _positive_float(key, extra[key], allow_zero=True)
         if "verify_checksums" in extra:
             if not isinstance(extra["verify_checksums"], bool):
                 raise ConfigError("verify_checksums", f"{extra['verify_checksums']!r} is not true or false")
             values["verify_checksums"] = extra["verify_checksums"]
-        for key in ("runtime_dir", "namespace_salt", "file_dir"):
+        for key in ("runtime_dir", "namespace_salt", "file_dir", "tier_control_file"):
             if key in extra:
                 if not isinstance(extra[key], str):
                     raise ConfigError(key, f"{extra[key]!r} is not a string")
@@ -196,6 +234,11 @@ class RangeConfig:
         return self
 
     @property
+    def slows_tier(self) -> bool:
+        """Whether the tier is wrapped by the latency-injecting backend (any ``tier_*`` key set)."""
+        return bool(self.tier_delay_s or self.tier_bandwidth_bytes_per_s or self.tier_control_file)
+
+    @property
     def resolved_runtime_dir(self) -> str:
         """``runtime_dir`` or its default (see :func:`range_connector.valkey_servers.default_runtime_dir`)."""
         if self.runtime_dir:
@@ -232,9 +275,10 @@ def _positive_int(key: str, value: Any, *, allow_zero: bool = False) -> int:
     return value
 
 
-def _positive_float(key: str, value: Any) -> float:
+def _positive_float(key: str, value: Any, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(key, f"{value!r} is not a number of seconds")
-    if value <= 0:
-        raise ConfigError(key, f"{value} must be > 0")
+        unit = "seconds" if key.endswith("_s") else "bytes per second" if key.endswith("_per_s") else "units"
+        raise ConfigError(key, f"{value!r} is not a number of {unit}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"{value} must be {'>= 0' if allow_zero else '> 0'}")
     return float(value)

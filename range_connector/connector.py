@@ -102,6 +102,9 @@ class RangeConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.save(self._bound_metadata())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker.get_finished(finished_req_ids) or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_block_ids()
 

@@ -73,3 +73,57 @@ def connector_last_loaded_tickets(worker: Any) -> list[tuple[int, str]]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return [(s, k.decode()) for s, k in get_kv_transfer_group()._worker.last_loaded_tickets]
+
+
+def connector_load_timelines(worker: Any) -> list[dict]:
+    """Mode and per-layer timestamps (``time.monotonic()``: ready, delivered, waited for by attention) of the Range
+    worker's recent load jobs, oldest first."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return list(get_kv_transfer_group()._worker.load_timelines)
+
+
+def count_layer_hooks(worker: Any) -> None:
+    """Count calls of the connector's per-layer hooks from now on (idempotent).
+
+    Wraps ``wait_for_layer_load`` and ``save_kv_layer`` on this worker's connector instance, the objects that
+    vLLM's attention code calls, so the counts show which hooks the forward actually reaches
+    (:func:`layer_hook_counts`).
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    if hasattr(connector, "_range_debug_hook_counts"):
+        return
+    counts: dict[str, dict[str, int]] = {"wait_for_layer_load": {}, "save_kv_layer": {}}
+    connector._range_debug_hook_counts = counts
+    for hook in counts:
+        original = getattr(connector, hook)
+
+        def counted(layer_name: str, *args: Any, _hook: str = hook, _original: Any = original, **kwargs: Any) -> Any:
+            counts[_hook][layer_name] = counts[_hook].get(layer_name, 0) + 1
+            return _original(layer_name, *args, **kwargs)
+
+        setattr(connector, hook, counted)
+
+
+def layer_hook_counts(worker: Any) -> dict[str, dict[str, int]]:
+    """``{hook: {layer_name: calls}}`` since :func:`count_layer_hooks` (empty dicts if it never ran)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return getattr(get_kv_transfer_group(), "_range_debug_hook_counts", {"wait_for_layer_load": {},
+                                                                         "save_kv_layer": {}})
+
+
+def mla_branch_probe(worker: Any) -> dict[str, Any]:
+    """What this worker's attention layers do: the compat probes and each layer's own ``use_direct_call``."""
+    from range_connector import compat
+
+    ctx = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    return {
+        "direct_call_branch_taken": compat.mla_direct_call_branch_taken(),
+        "patch_applied": compat.mla_patch_applied(),
+        "layers": {name: {"type": type(layer).__name__, "use_direct_call": bool(getattr(layer, "use_direct_call",
+                                                                                          False))}
+                   for name, layer in ctx.items() if hasattr(layer, "use_direct_call")},
+    }

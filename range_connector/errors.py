@@ -37,3 +37,10 @@ class ServerStartError(BackendError):
 
 class IntegrityError(RangeError):
     """Bytes read from a tier do not match what was saved (size, header or checksum mismatch)."""
+
+
+class PatchMismatchError(RangeError):
+    """The installed vLLM file that the engine patch targets is neither the pinned version nor its patched form.
+
+    The message names the file, the vLLM version found and the expected one; nothing is written.
+    """

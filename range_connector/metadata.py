@@ -43,12 +43,16 @@ class RequestTransfer:
         chunks: chunk transfers in chain order.
         num_tokens: tokens covered (for loads: the promised external tokens).
         fail: report every block of this load as failed without reading (the scheduler could not plan it).
+        mode: for loads, who delivers them: ``"pipelined"`` (layer by layer as attention asks, in this step),
+            ``"async"`` (in the background; the request waits in ``WAITING_FOR_REMOTE_KVS``) or ``"sync"``
+            (all before the forward; for comparison only).
     """
 
     req_id: str
     chunks: tuple[ChunkTransfer, ...]
     num_tokens: int
     fail: bool = False
+    mode: str = "pipelined"
 
 
 @dataclass

@@ -5,11 +5,19 @@ registration is idempotent. On CPUs with AMX it also asks the kernel for AMX til
 CPU attention uses AMX; without the permission a first request of 1-2 tokens can die with SIGILL), and on the CPU
 platform it wraps vLLM's rotary-embedding op, which is wrong for the 3-D inputs of DeepSeek-V2 models
 (:func:`range_connector.compat.apply_cpu_workarounds`).
+
+Test switch: with ``RANGE_CONNECTOR_TEST_FORCE_MLA_DIRECT_CALL=1`` in the environment, every vLLM process makes its
+platform report ``opaque_attention_op() == False`` (:func:`range_connector.compat.force_mla_direct_call`), so that
+attention layers take the direct-call branch that the engine patch (``patches/README.md``) is about. Tests only.
 """
 
 from __future__ import annotations
 
+import os
+
 CONNECTOR_NAME = "RangeConnector"
+#: Environment variable of the test switch (value ``1``); see the module docstring.
+FORCE_MLA_DIRECT_CALL_ENV = "RANGE_CONNECTOR_TEST_FORCE_MLA_DIRECT_CALL"
 
 
 def register() -> None:
@@ -19,9 +27,15 @@ def register() -> None:
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "range_connector.connector", "RangeConnector")
     _init_amx()
-    from range_connector.compat import apply_cpu_workarounds
+    from range_connector import compat
+    from range_connector.errors import ConfigError
 
-    apply_cpu_workarounds()
+    compat.apply_cpu_workarounds()
+    switch = os.environ.get(FORCE_MLA_DIRECT_CALL_ENV, "")
+    if switch not in ("", "0", "1"):
+        raise ConfigError(FORCE_MLA_DIRECT_CALL_ENV, f"{switch!r} is not 0 or 1")
+    if switch == "1":
+        compat.force_mla_direct_call()
 
 
 def _init_amx() -> None:

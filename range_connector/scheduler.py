@@ -63,6 +63,7 @@ class _Lookup:
     num_stored_chunks: int
     num_computed_tokens: int
     num_hit_tokens: int
+    mode: str = "pipelined"
 
 
 class RangeScheduler:
@@ -173,10 +174,12 @@ class RangeScheduler:
         stored = len(tickets)
         hit = hit_tokens(stored, self.chunk_tokens, len(request.prompt_token_ids or []), self.block_size)
         self.stats["lookups"] += 1
-        self._lookups[request.request_id] = _Lookup(hashes, tickets, stored, num_computed_tokens, hit)
+        mode = self.config.load_mode
+        self._lookups[request.request_id] = _Lookup(hashes, tickets, stored, num_computed_tokens, hit, mode)
         if not self.can_load:
             return 0, False
-        return max(0, hit - num_computed_tokens), False
+        external = max(0, hit - num_computed_tokens)
+        return external, external > 0 and mode == "async"
 
     # ---------------------------------------------------------------- commit
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -213,7 +216,7 @@ class RangeScheduler:
             chunks.append(ChunkTransfer(chunk_idx, state.chunk_hashes[chunk_idx], tuple(positions),
                                         tuple(block_ids[chunk_idx * bpc + p] for p in positions),
                                         lookup.tickets[chunk_idx]))
-        self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens))
+        self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens, mode=lookup.mode))
         self.stats["promised_tokens"] += num_external_tokens
         self._take_leases(request.request_id, chunks)
 

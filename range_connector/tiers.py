@@ -32,14 +32,33 @@ def resolve_valkey_urls(config: RangeConfig) -> list[str]:
 
 
 def open_shard_backends(config: RangeConfig) -> list[Backend]:
-    """Open one backend per shard.
+    """Open one backend per shard, slowed down by the latency wrapper when a ``tier_*`` key asks for it.
 
     Returns:
         ``[num_shards]`` backends; for ``backend = "memory"`` the same in-process instance for every shard.
 
     Raises:
-        ConfigError: a server does not answer at start-up (names ``valkey_urls`` and the URL).
+        ConfigError: a server does not answer at start-up (names ``valkey_urls`` and the URL), or the
+            ``tier_control_file`` is invalid.
     """
+    backends = _open_backends(config)
+    if not config.slows_tier:
+        return backends
+    from range_connector.backends.latency import LatencyControl, TierLatency, slow_down
+
+    try:
+        control = LatencyControl(TierLatency(config.tier_delay_s, config.tier_bandwidth_bytes_per_s),
+                                 config.tier_control_file or None)
+    except ValueError as exc:
+        for b in {id(b): b for b in backends}.values():
+            b.close()
+        raise ConfigError("tier_control_file", str(exc)) from exc
+    logger.info("tier slowed down for benchmarks/tests: %s (control file: %s)", control.current(),
+                config.tier_control_file or "none")
+    return slow_down(backends, control, timeout_s=config.backend_timeout_s)
+
+
+def _open_backends(config: RangeConfig) -> list[Backend]:
     if config.backend == "memory":
         return [MemoryBackend(config.memory_capacity_bytes or None)] * config.num_shards
     if config.backend == "file":

@@ -1,14 +1,12 @@
 """Worker side: load promised chunks into the destination blocks, save new full chunks, report load errors.
 
-Runs in each vLLM worker process, next to the KV tensors. A step's loads go layer group by layer group through the
-transfer banks (:mod:`range_connector.banks`): one batched ranged read per shard fills a bank, then each layer is
-verified (one checksum per chunk) and copied into the KV cache with one batched index copy per (layer, plane). A tier
-that can lend its stripes (the in-process DRAM tier) skips the staging copy. A step's saves become, per shard, one
-stripe write. The number of round trips, reads and copies follows shards, stripes, layers and bytes, never chunks
-(DESIGN.md §3.1).
-
-In this version loads complete inside ``start_load_kv`` (before the forward) and saves inside ``wait_for_save``
-(after it): nothing stays in flight across steps, so preemption and block reuse cannot mix foreign KV into a stripe.
+Runs in each vLLM worker process, next to the KV tensors. Loads are load jobs (:mod:`range_connector.loads`):
+layer group by layer group through the transfer banks (:mod:`range_connector.banks`), or straight from stripes
+that the in-process DRAM tier lends. The step's pipelined loads are delivered layer by layer as attention asks
+(``wait_for_layer_load``); asynchronous loads by a background thread while the engine runs other requests, and
+reported through ``get_finished``. A step's saves become, per shard, one stripe write, inside ``wait_for_save``
+(after the forward, from blocks the step owns: preemption and block reuse cannot mix foreign KV into a stripe).
+The number of round trips, reads and copies follows shards, stripes, layers and bytes, never chunks (DESIGN.md §3.1).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 import xxhash
@@ -27,6 +25,7 @@ import xxhash
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
 from range_connector.backends.memory import MemoryBackend
 from range_connector.banks import BankPool, BankReader
+from range_connector.loads import ASYNC, PIPELINED, SYNC, LoadJob
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
 from range_connector.layout import KVLayout, block_rows
@@ -45,41 +44,8 @@ from range_connector.tickets import Ticket, ticket_key
 
 logger = logging.getLogger("vllm." + __name__)
 
-
-def _row_selector(src_rows: list[int]) -> slice | torch.Tensor:
-    """A slice when ``src_rows`` is one ascending run of consecutive rows (no gather needed), else an index."""
-    first = src_rows[0]
-    if src_rows == list(range(first, first + len(src_rows))):
-        return slice(first, first + len(src_rows))
-    return torch.tensor(src_rows, dtype=torch.long)
-
-
-class _ViewSource:
-    """A stripe lent by the tier as read-only layer values ``[num_planes, stripe_blocks, row_bytes]``."""
-
-    def __init__(self, group: int, t: Ticket, layers: list[memoryview], row_dtype: torch.dtype) -> None:
-        self.group, self.t, self.layers = group, t, layers
-        #: the load reads the whole stripe, which carries per-layer checksums: verified once per layer.
-        self.whole = False
-        with warnings.catch_warnings():  # read-only buffers: only ever read (the index copy copies out)
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            self.tensors = [torch.frombuffer(v, dtype=torch.uint8).view(row_dtype).view(t.num_planes,
-                                                                                        t.stripe_blocks, -1)
-                            for v in layers]
-
-    def rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
-        return self.tensors[layer_idx][plane_idx]
-
-    def row_of(self, stripe_block: int) -> int:
-        return stripe_block
-
-    def check_whole(self) -> bool:
-        """Every layer value matches the stripe's per-layer checksum (xxh3 releases the GIL: runs beside copies)."""
-        return all(xxhash.xxh3_64_intdigest(v) == c for v, c in zip(self.layers, self.t.stripe_checksums))
-
-    def chunk_bytes(self, layer_idx: int, plane_idx: int, t: Ticket) -> memoryview:
-        start = (plane_idx * t.stripe_blocks + t.block_offset) * t.row_bytes
-        return self.layers[layer_idx][start:start + t.num_blocks * t.row_bytes]
+#: how long ``get_finished`` lets asynchronous loads run before it looks at them (seconds, once per step)
+_ASYNC_POLL_S = 0.002
 
 
 class RangeWorker:
@@ -106,11 +72,22 @@ class RangeWorker:
         self.tp_rank = tp_rank
         self.layout: KVLayout | None = None
         self._rows: list[torch.Tensor] = []
-        self._banks = BankPool(config.num_banks)
-        self._reader = BankReader()
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-verify")
+        self._layer_index = {name: i for i, name in enumerate(layer_names)}
+        #: transfer banks, their reader thread, and the helper thread that verifies lent stripes (used by LoadJob)
+        self.banks = BankPool(config.num_banks)
+        self.reader = BankReader()
+        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-verify")
+        self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-async-load")
         self._copy_stream = None  # CUDA only: the stream that copies banks into the KV cache
-        self._layer_events: dict[str, object] = {}  # CUDA only: layer -> event of its last load copy
+        #: CUDA only: layer -> event of its pipelined load copy (attention's stream waits on it)
+        self.layer_events: dict[str, object] = {}
+        #: deliver pipelined loads before the forward (attention does not call wait_for_layer_load)
+        self.deliver_before_forward = False
+        self._warned_unwaited = False
+        self._step_job: LoadJob | None = None
+        self._async_jobs: dict[str, tuple[LoadJob, Future]] = {}
+        #: per finished load job: mode and per-layer timestamps (ready, delivered, waited for by attention)
+        self.load_timelines: list[dict] = []
         self._failed_block_ids: set[int] = set()
         self._save_down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
         self._saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = []
@@ -130,7 +107,7 @@ class RangeWorker:
         """View the engine's KV tensors as rows (see :func:`range_connector.layout.block_rows`)."""
         self.layout, self._rows = block_rows(kv_caches, self.layer_names, self.num_blocks)
         if self._rows and self._rows[0].is_cuda:  # pinned staging and a copy stream of our own
-            self._banks = BankPool(self.config.num_banks, pin_memory=True)
+            self.banks = BankPool(self.config.num_banks, pin_memory=True)
             self._copy_stream = torch.cuda.Stream(device=self._rows[0].device)
         logger.info("Range worker: %d layers x %d planes, %d bytes per block row, %d blocks",
                     len(self.layer_names), self.layout.num_planes, self.layout.row_bytes, self.num_blocks)
@@ -139,291 +116,142 @@ class RangeWorker:
         assert self.layout is not None
         return self.layout.num_planes * self.layout.row_bytes
 
-    def _ticket_fits(self, t: Ticket) -> bool:
-        layout = self.layout
-        assert layout is not None
-        return (t.num_planes, t.row_bytes, t.num_layers, t.num_blocks) == (
-            layout.num_planes, layout.row_bytes, len(self.layer_names), self.plan.blocks_per_shard)
-
     # ---------------------------------------------------------------- loads
     def start_load(self, meta: RangeConnectorMetadata) -> None:
-        """Load every promised chunk of this step into its destination blocks, within ``load_deadline_s``.
+        """Start this step's loads, within ``load_deadline_s`` (each request's ``mode`` says who delivers).
 
-        Blocks whose bytes are missing, corrupt, late or unreadable are reported through
+        Pipelined and synchronous loads form the step's job: synchronous ones (and every load when layers cannot
+        be handed to attention one by one) are delivered here, pipelined ones by :meth:`wait_for_layer`.
+        Asynchronous loads get a job each, delivered by a background thread and reported by
+        :meth:`get_finished`. Blocks whose bytes are missing, corrupt, late or unreadable are reported through
         :meth:`take_failed_block_ids` (vLLM recomputes them). Never raises for a tier failure.
         """
+        self._finish_step_job()
         self._failed_from_chunk = {}
         if not meta.loads or self.layout is None:
             return
         deadline = time.monotonic() + self.config.load_deadline_s
         self.last_loaded_tickets = []
-        loads = []
+        step = [r for r in meta.loads if r.mode != ASYNC]
         for req in meta.loads:
-            self._loaded_reqs.append(req.req_id)
-            if req.fail or not req.chunks:
+            if req.mode == ASYNC:
+                job = LoadJob(self, [req], deadline, ASYNC)
+                job.start()
+                self._async_jobs[req.req_id] = (job, self._async_loader.submit(self._deliver_async, job))
+        if step:
+            sync = any(r.mode == SYNC for r in step) or self.deliver_before_forward
+            job = LoadJob(self, step, deadline, SYNC if sync else PIPELINED)
+            job.start()
+            self._step_job = job
+            if sync:
+                job.deliver_through(len(self.layer_names) - 1)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Return when this layer's loaded blocks of the step have landed (or failed: then they are reported).
+
+        Pipelined loads deliver the layer groups up to this layer here; on CUDA the current stream then waits for
+        the layer's copy event."""
+        job = self._step_job
+        layer_idx = self._layer_index.get(layer_name)
+        if job is not None and layer_idx is not None and not job.finished:
+            if job.layer_waited_s[layer_idx] is None:
+                job.layer_waited_s[layer_idx] = time.monotonic()
+            job.deliver_through(layer_idx)
+        event = self.layer_events.pop(layer_name, None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _deliver_async(self, job: LoadJob) -> None:
+        try:
+            job.deliver_through(len(self.layer_names) - 1)
+        except Exception:  # reported as a failed load, never raised into the engine
+            logger.exception("Range asynchronous load failed")
+            job.cancel()
+            for req in job.reqs:
                 if req.chunks:
-                    self._fail_from(req, req.chunks[0].chunk_idx)
-                continue
-            loads.append(req)
-        if loads:
-            self._load(loads, deadline)
+                    job.failed_from[req.req_id] = req.chunks[0].chunk_idx
 
-    def _load(self, reqs: list[RequestTransfer], deadline: float) -> None:
-        layout = self.layout
-        assert layout is not None
-        num_layers, num_planes = len(self.layer_names), layout.num_planes
-        # 1. Which chunks of which stripes: one segment (span of blocks) per (shard, stripe).
-        wanted: dict[tuple[int, str], list[Ticket]] = defaultdict(list)
-        bad_chunks: set[tuple[str, int]] = set()
-        for req in reqs:
-            for chunk in req.chunks:
-                for s, t in enumerate(chunk.tickets):
-                    if not self._ticket_fits(t):
-                        bad_chunks.add((req.req_id, chunk.chunk_idx))
-                    elif t not in wanted[(s, t.stripe_id)]:
-                        wanted[(s, t.stripe_id)].append(t)
-        segments = plan_segments(wanted)
-        seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in segments}
-        # 2. Bring the bytes within reach: views of the stored stripes where the tier can lend them (DRAM: no
-        #    staging copy), else layer group by layer group through the transfer banks.
-        if not all(self.backends[seg.shard_idx].supports_views for seg in segments):
-            self._load_banked(reqs, segments, bad_chunks, deadline)
+    def _finish_step_job(self) -> None:
+        """Settle the step's pipelined/synchronous job after the forward (idempotent within a step).
+
+        A pipelined layer that attention never waited for was read before it landed (a platform whose attention
+        does not call the connector's per-layer hooks): every block of the job is then reported, so vLLM
+        recomputes the step instead of keeping what it computed on missing KV."""
+        job, self._step_job = self._step_job, None
+        if job is None:
             return
-        self._errored: set[tuple[int, str]] = set()
-        sources, missing = self._view_sources(segments, deadline)
-        if time.monotonic() > deadline:
-            logger.warning("Range loads passed their %.1f s deadline", self.config.load_deadline_s)
-            self.stats["load_deadline_misses"] += 1
-            missing.update(seg_of)
-        # 3. Stripes lent whole are verified against their per-layer checksums in a helper thread while the copies
-        #    run (both are passes over memory; overlapping them is what keeps DRAM loads near a plain copy). Other
-        #    chunks are verified one by one first. A chunk fails if any shard's slice is missing or bad.
-        verify = self.config.verify_checksums
-        pending = {key: self._verifier.submit(src.check_whole) for key, src in sources.items()
-                   if verify and src.whole}
-        failed_from: dict[str, int] = {}
-        copied: list[tuple[RequestTransfer, object, list[int], list[tuple[int, Ticket]]]] = []
-        copies: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))  # source -> (src, dst)
-        for req in reqs:
-            for chunk in req.chunks:
-                good = (req.req_id, chunk.chunk_idx) not in bad_chunks
-                for s, t in enumerate(chunk.tickets if good else ()):
-                    if (s, t.stripe_id) in self._errored:
-                        good = False
-                        break
-                    if (s, t.stripe_id) in missing:  # the stripe is gone: its ticket is not offered again
-                        self._drop(chunk.chunk_hash, s)
-                        good = False
-                        break
-                    if verify and (s, t.stripe_id) not in pending and not self._verify(sources[(s, t.stripe_id)], t):
-                        good = False
-                        self.stats["load_integrity_errors"] += 1
-                        self._drop(chunk.chunk_hash, s)
-                        break
-                if not good:
-                    failed_from[req.req_id] = chunk.chunk_idx
-                    break
-                dst_ids = []
-                for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
-                    s, slot = self.plan.shard_of_block(pos)
-                    t = chunk.tickets[s]
-                    source = sources[(s, t.stripe_id)]
-                    src, dst = copies[source.group]
-                    src.append(source.row_of(t.block_offset + slot))
-                    dst.append(block_id)
-                    dst_ids.append(block_id)
-                copied.append((req, chunk, dst_ids, list(enumerate(chunk.tickets))))
-        # 4. One batched index copy per (layer, plane) and lent stripe.
-        group_source = {src.group: src for src in sources.values()}
-        for group, (src_rows, dst_ids) in copies.items():
-            source = group_source[group]
-            dst = torch.tensor(dst_ids, dtype=torch.long)
-            src = _row_selector(src_rows)
-            for layer_idx in range(num_layers):
-                for p in range(num_planes):
-                    self._copy_rows(layer_idx, self._rows[layer_idx * num_planes + p], dst, source.rows(layer_idx, p),
-                                    src)
-            self.stats["copy_launches"] += num_layers * num_planes
-        # 5. A stripe that failed its whole check: find its bad chunks one by one. Their blocks (already written) and
-        #    every later block of the request are reported, so vLLM recomputes them before anything reads them.
-        bad_stripes = {key for key, fut in pending.items() if not fut.result()}
-        done: list[tuple[ChunkHash, list[int], list[int]]] = []
-        for req, chunk, dst_ids, parts in copied:
-            if chunk.chunk_idx >= failed_from.get(req.req_id, 1 << 62):
-                continue
-            for s, t in parts:
-                if (s, t.stripe_id) in bad_stripes and not self._verify(sources[(s, t.stripe_id)], t):
-                    self.stats["load_integrity_errors"] += 1
-                    self._drop(chunk.chunk_hash, s)
-                    failed_from[req.req_id] = chunk.chunk_idx
-                    break
-            else:
-                done.append((chunk.chunk_hash, [s for s, _ in parts], dst_ids))
-        self._finish_load(reqs, failed_from, done)
+        if job.mode == PIPELINED and job.segments and not job.closed:
+            unwaited = [i for i, t in enumerate(job.layer_delivered_s) if t is None]
+            if unwaited:
+                self.stats["layers_read_before_load"] += len(unwaited)
+                if not self._warned_unwaited:
+                    self._warned_unwaited = True
+                    logger.warning("Range: attention read %d layer(s) before their pipelined load landed "
+                                   "(wait_for_layer_load not called); those loads are recomputed", len(unwaited))
+                job.cancel()
+                for req in job.reqs:
+                    if req.chunks:
+                        job.failed_from[req.req_id] = req.chunks[0].chunk_idx
+        job.finish()
+        self._record_job(job)
 
-    def _load_banked(self, reqs: list[RequestTransfer], segments: list[Segment], bad_chunks: set[tuple[str, int]],
-                     deadline: float) -> None:
-        """Load through the transfer banks, one layer group per bank, reads of the next group overlapping the
-        verification and copy of this one.
+    def _record_job(self, job: LoadJob) -> None:
+        self._finish_load(job.reqs, job.failed_from, job.done)
+        self._loaded_reqs.extend(r.req_id for r in job.reqs)
+        self.load_timelines.append({
+            "mode": job.mode, "started_s": job.started_s, "layer_ready_s": list(job.layer_ready_s),
+            "layer_delivered_s": list(job.layer_delivered_s), "layer_waited_s": list(job.layer_waited_s),
+            "num_groups": len(getattr(job, "groups", ())), "failed": dict(job.failed_from)})
+        del self.load_timelines[:-64]
 
-        Every bank holds, for each of its layers and planes, a region with the segments in plan order; each fill is
-        one batched ranged read per shard. A chunk that is missing on any shard, or fails its checksum in any
-        layer, fails from there on (its request's later chunks too); blocks of a chunk that fails in a later layer
-        were already written for earlier layers, which is harmless: they are reported and vLLM recomputes them.
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Asynchronous loads that ended (loaded, failed, past their deadline, or aborted by vLLM).
+
+        Args:
+            finished_req_ids: requests vLLM finished (e.g. aborted) since the last call: their loads stop writing
+                at once and are reported here, so vLLM can free their blocks.
+
+        Returns:
+            Request ids to report in ``finished_recving``; their failed blocks are in
+            :meth:`take_failed_block_ids` in the same step.
         """
-        layout = self.layout
-        assert layout is not None
-        num_layers, num_planes, row_bytes = len(self.layer_names), layout.num_planes, layout.row_bytes
-        rows_per_region = sum(seg.num_blocks for seg in segments)
-        region_bytes = rows_per_region * row_bytes
-        layer_bytes = num_planes * region_bytes
-        per_bank = max(1, self.config.bank_bytes // max(1, layer_bytes))
-        groups = [range(g, min(num_layers, g + per_bank)) for g in range(0, num_layers, per_bank)]
-        seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in segments}
-        missing: set[tuple[int, str]] = set()  # stripes that are gone (their tickets lie: dropped)
-        errored: set[tuple[int, str]] = set()  # stripes whose read failed (transient: tickets kept)
-        missing_lock = threading.Lock()
-        failed_shards: set[int] = set()  # a shard whose read failed is not asked again in this load
-        cancelled = threading.Event()  # set when the load gives up: fills not yet started do nothing
-
-        def fill_for(group: range):
-            def fill(buffer: torch.Tensor) -> None:
-                if cancelled.is_set():
-                    return
-                mv = memoryview(buffer.numpy()).cast("B")
-                by_shard: dict[int, list[RangeRead]] = defaultdict(list)
-                for seg in segments:
-                    t = seg.ticket
-                    for layer_idx in group:
-                        for p in range(num_planes):
-                            start = ((layer_idx - group.start) * num_planes + p) * region_bytes + seg.bank_row * row_bytes
-                            length = seg.num_blocks * row_bytes
-                            by_shard[seg.shard_idx].append(RangeRead(
-                                t.stripe_id, layer_idx, (p * t.stripe_blocks + seg.first_block) * row_bytes, length,
-                                t.layer_bytes, mv[start:start + length]))
-                for s, reads in by_shard.items():
-                    if cancelled.is_set() or s in failed_shards or time.monotonic() > deadline:
-                        with missing_lock:
-                            errored.update((s, r.stripe_id) for r in reads)
-                        continue
-                    try:
-                        ok = self.backends[s].read_ranges(reads)
-                        with missing_lock:
-                            missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
-                    except ValueError as exc:  # a stored value disagrees with its ticket: find which, stripe by stripe
-                        logger.warning("Range load from shard %d: %s", s, exc)
-                        self.stats["load_integrity_errors"] += 1
-                        self._reread_each_stripe(s, reads, missing, errored, missing_lock)
-                    except BackendError as exc:
-                        logger.warning("Range load from shard %d: %s", s, exc)
-                        self.stats["load_backend_errors"] += 1
-                        failed_shards.add(s)
-                        with missing_lock:
-                            errored.update((s, r.stripe_id) for r in reads)
-            return fill
-
-        timeout_s = max(0.0, deadline - time.monotonic())
-        banks = [self._reader.submit(self._banks, len(g) * layer_bytes, fill_for(g), timeout_s) for g in groups]
-        # Per chunk: where its blocks come from (rows of a region) and go (block ids); chains fail from a chunk on.
-        plan = []  # (req, chunk, [(shard, ticket, segment)], src_rows, dst_ids)
-        for req in reqs:
-            for chunk in req.chunks:
-                parts = [(s, t, seg_of.get((s, t.stripe_id))) for s, t in enumerate(chunk.tickets)]
-                src_rows, dst_ids = [], []
-                for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
-                    s, slot = self.plan.shard_of_block(pos)
-                    seg = parts[s][2]
-                    if seg is not None:
-                        src_rows.append(seg.bank_row + parts[s][1].block_offset - seg.first_block + slot)
-                        dst_ids.append(block_id)
-                plan.append((req, chunk, parts, src_rows, dst_ids))
-        failed_from: dict[str, int] = {}
-
-        def fail(req: RequestTransfer, chunk_idx: int) -> None:
-            failed_from[req.req_id] = min(failed_from.get(req.req_id, chunk_idx), chunk_idx)
-
-        for req, chunk, parts, _, _ in plan:
-            if (req.req_id, chunk.chunk_idx) in bad_chunks or any(seg is None for _, _, seg in parts):
-                fail(req, chunk.chunk_idx)
-        copied_blocks: set[int] = set()
-        for g, group in enumerate(groups):
-            bank = banks[g]
-            try:
-                bank.done.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception as exc:  # deadline, no free bank, or a failed fill: nothing more can be trusted
-                logger.warning("Range load: layers %d-%d not delivered (%s)", group.start, group.stop - 1,
-                               exc or type(exc).__name__)
+        self._finish_step_job()
+        if self._async_jobs:
+            # Yield the GIL for a moment: between steps vLLM's worker loop polls its message queue, and a busy
+            # loop would starve the threads that read and copy the asynchronous loads.
+            wait([fut for _job, fut in self._async_jobs.values()], timeout=_ASYNC_POLL_S, return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        out = set()
+        for req_id, (job, fut) in list(self._async_jobs.items()):
+            if req_id in finished_req_ids and not fut.done():
+                job.cancel()  # aborted: stop writing into blocks vLLM is about to free
+                self.stats["loads_aborted"] += 1
+                self._loaded_reqs.append(req_id)
+            elif fut.done():
+                job.finish()
+                self._record_job(job)
+            elif now > job.deadline + self.config.backend_timeout_s:
+                job.cancel()  # the delivery thread overran its deadline: nothing more is written
                 self.stats["load_deadline_misses"] += 1
-                cancelled.set()
-                for b in banks[g:]:
-                    b.abandoned = True
-                    if b.done.done():
-                        self._banks.release(b)
-                for req, chunk, _, _, _ in plan:
-                    fail(req, chunk.chunk_idx)
-                break
-            with missing_lock:
-                gone, broken = set(missing), set(errored)
-            buf = bank.buffer
-            # Segments that hold a whole stripe are verified once per layer; a chunk of a verified segment needs no
-            # check of its own, a chunk of a failed one is checked alone (to fail only the bad chunks).
-            whole_ok: dict[tuple[int, str], bool] = {}
-            if self.config.verify_checksums:
-                for seg in segments:
-                    t = seg.ticket
-                    if t.stripe_checksums and seg.first_block == 0 and seg.num_blocks == t.stripe_blocks:
-                        whole_ok[(seg.shard_idx, t.stripe_id)] = self._verify_whole(
-                            buf, group, seg, region_bytes, num_planes, row_bytes)
-            for req, chunk, parts, _, _ in plan:
-                if chunk.chunk_idx >= failed_from.get(req.req_id, 1 << 62):
-                    continue
-                lost = [s for s, t, _ in parts if (s, t.stripe_id) in gone]
-                for s in lost:  # a ticket whose stripe is gone is not offered again
-                    self._drop(chunk.chunk_hash, s)
-                if lost or any((s, t.stripe_id) in broken for s, t, _ in parts):
-                    fail(req, chunk.chunk_idx)
-                    continue
-                if self.config.verify_checksums:
-                    for s, t, seg in parts:
-                        if whole_ok.get((s, t.stripe_id)):
-                            continue
-                        if not self._verify_group(buf, group, seg, t, region_bytes, num_planes, row_bytes):
-                            self.stats["load_integrity_errors"] += 1
-                            self._drop(chunk.chunk_hash, s)
-                            fail(req, chunk.chunk_idx)
-                            break
-            src_rows, dst_ids = [], []
-            for req, chunk, _, c_src, c_dst in plan:
-                if chunk.chunk_idx < failed_from.get(req.req_id, 1 << 62):
-                    src_rows.extend(c_src)
-                    dst_ids.extend(c_dst)
-            if dst_ids:
-                src = _row_selector(src_rows)
-                dst = torch.tensor(dst_ids, dtype=torch.long)
-                for layer_idx in group:
-                    for p in range(num_planes):
-                        start = ((layer_idx - group.start) * num_planes + p) * region_bytes
-                        region = buf[start:start + region_bytes].view(layout.row_dtype).view(rows_per_region, -1)
-                        self._copy_rows(layer_idx, self._rows[layer_idx * num_planes + p], dst, region, src)
-                self.stats["copy_launches"] += len(group) * num_planes
-                copied_blocks.update(dst_ids)
-            self._bank_copied(group)
-            self._banks.release(bank)
-            if not dst_ids:  # nothing left to load: stop reading the remaining layer groups
-                cancelled.set()
-                for b in banks[g + 1:]:
-                    b.abandoned = True
-                    if b.done.done():
-                        self._banks.release(b)
-                break
-        self.stats["bank_allocations"] = self._banks.allocations
-        done = [(chunk.chunk_hash, [s for s, _, _ in parts], c_dst) for req, chunk, parts, _, c_dst in plan
-                if chunk.chunk_idx < failed_from.get(req.req_id, 1 << 62)]
-        self._finish_load(reqs, failed_from, done)
+                for req in job.reqs:
+                    if req.chunks:
+                        job.failed_from[req.req_id] = req.chunks[0].chunk_idx
+                job.finished = True
+                self._record_job(job)
+            else:
+                continue
+            del self._async_jobs[req_id]
+            out.add(req_id)
+        return out
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        """Asynchronous loads not yet reported (0 when idle)."""
+        return len(self._async_jobs)
 
     def _finish_load(self, reqs: list[RequestTransfer], failed_from: dict[str, int],
                      done: list[tuple[ChunkHash, list[int], list[int]]]) -> None:
-        """Record a load step: ``done`` = (chunk hash, shards, block ids written) of each chunk that landed whole;
+        """Record finished loads: ``done`` = (chunk hash, shards, block ids written) of each chunk that landed whole;
         requests in ``failed_from`` fail from that chunk on (reported to vLLM, which recomputes)."""
         layout = self.layout
         assert layout is not None
@@ -439,9 +267,20 @@ class RangeWorker:
         self.stats["loaded_tokens"] += loaded * self.block_size
         self.stats["loaded_bytes"] += loaded * layout.block_bytes
 
-    def _copy_rows(self, layer_idx: int, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
-                   src: slice | torch.Tensor) -> None:
-        """``dst_rows[dst] = src_rows[src]`` as one batched index copy.
+    def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
+        """``[num_blocks, row]`` view of one plane of one layer of the KV cache."""
+        return self._rows[layer_idx * self.layout.num_planes + plane_idx]  # type: ignore[union-attr]
+
+    def ticket_fits(self, t: Ticket) -> bool:
+        """The ticket describes stripes of the registered layout."""
+        layout = self.layout
+        assert layout is not None
+        return (t.num_planes, t.row_bytes, t.num_layers, t.num_blocks) == (
+            layout.num_planes, layout.row_bytes, len(self.layer_names), self.plan.blocks_per_shard)
+
+    def copy_rows(self, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                  src: slice | torch.Tensor) -> object | None:
+        """``dst_rows[dst] = src_rows[src]`` as one batched index copy; returns the CUDA event of the copy.
 
         When the source rows are one run (the usual case: a chunk's blocks are consecutive in its stripe, and a
         bank holds segments back to back) the source is a view and the copy is the only pass over the bytes;
@@ -450,7 +289,7 @@ class RangeWorker:
         picked = src_rows[src] if isinstance(src, slice) else src_rows.index_select(0, src)
         if not dst_rows.is_cuda:
             dst_rows.index_copy_(0, dst, picked)
-            return
+            return None
         stream = self._copy_stream
         assert stream is not None
         with torch.cuda.stream(stream):
@@ -459,115 +298,10 @@ class RangeWorker:
             dst_rows.index_copy_(0, dst.to(device, non_blocking=True), staged)
             event = torch.cuda.Event()
             event.record(stream)
-        self._layer_events[self.layer_names[layer_idx]] = event
+        return event
 
-    def _bank_copied(self, group: range) -> None:
-        """Before a bank is reused, its device copies must have read it (CUDA); no-op on CPU."""
-        for layer_idx in group:
-            event = self._layer_events.get(self.layer_names[layer_idx])
-            if event is not None:
-                event.synchronize()
-
-    def wait_for_layer(self, layer_name: str) -> None:
-        """Make the current CUDA stream wait until this layer's loaded blocks have landed (no-op on CPU, where
-        loads complete inside :meth:`start_load`)."""
-        event = self._layer_events.pop(layer_name, None)
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    def _reread_each_stripe(self, s: int, reads: list[RangeRead], missing: set, errored: set,
-                            lock: threading.Lock) -> None:
-        """After a shard's batched read was refused as inconsistent, read stripe by stripe (only on this error
-        path) so that only the stripes whose values disagree with their tickets are treated as gone."""
-        by_stripe: dict[str, list[RangeRead]] = defaultdict(list)
-        for r in reads:
-            by_stripe[r.stripe_id].append(r)
-        for stripe_id, stripe_reads in by_stripe.items():
-            try:
-                ok = all(self.backends[s].read_ranges(stripe_reads))
-                target = None if ok else missing
-            except ValueError:
-                target = missing
-            except BackendError:
-                target = errored
-            if target is not None:
-                with lock:
-                    target.add((s, stripe_id))
-
-    def _verify_whole(self, buf: torch.Tensor, group: range, seg: Segment, region_bytes: int, num_planes: int,
-                      row_bytes: int) -> bool:
-        """Check a segment that holds a whole stripe against the stripe's per-layer checksums."""
-        mv = memoryview(buf.numpy()).cast("B")
-        t = seg.ticket
-        length = seg.num_blocks * row_bytes
-        for layer_idx in group:
-            h = xxhash.xxh3_64()
-            for p in range(num_planes):
-                start = ((layer_idx - group.start) * num_planes + p) * region_bytes + seg.bank_row * row_bytes
-                h.update(mv[start:start + length])
-            if h.intdigest() != t.stripe_checksums[layer_idx]:
-                return False
-        return True
-
-    def _verify_group(self, buf: torch.Tensor, group: range, seg: Segment, t: Ticket, region_bytes: int,
-                      num_planes: int, row_bytes: int) -> bool:
-        mv = memoryview(buf.numpy()).cast("B")
-        rel = (seg.bank_row + t.block_offset - seg.first_block) * row_bytes
-        for layer_idx in group:
-            h = xxhash.xxh3_64()
-            for p in range(num_planes):
-                start = ((layer_idx - group.start) * num_planes + p) * region_bytes + rel
-                h.update(mv[start:start + t.num_blocks * row_bytes])
-            if h.intdigest() != t.checksums[layer_idx]:
-                logger.warning("Range load: checksum mismatch in stripe %s layer %d blocks [%d, %d)", t.stripe_id,
-                               layer_idx, t.block_offset, t.block_offset + t.num_blocks)
-                return False
-        return True
-
-    def _view_sources(self, segments: list[Segment], deadline: float) -> tuple[dict, set]:
-        """Borrow read-only views of the stored stripes (one call per shard), no staging copy."""
-        layout = self.layout
-        assert layout is not None
-        by_shard: dict[int, list[Segment]] = defaultdict(list)
-        for seg in segments:
-            by_shard[seg.shard_idx].append(seg)
-        sources: dict = {}
-        missing: set[tuple[int, str]] = set()
-        for s, segs in by_shard.items():
-            try:
-                if time.monotonic() > deadline:
-                    raise BackendError("the load deadline passed")
-                views = self.backends[s].view_stripes([seg.ticket.stripe_id for seg in segs])
-            except (BackendError, ValueError) as exc:  # transient: the chunks fail, their tickets stay
-                logger.warning("Range load from shard %d: %s", s, exc)
-                self.stats["load_backend_errors"] += 1
-                self._errored.update((s, seg.ticket.stripe_id) for seg in segs)
-                continue
-            for seg, layers in zip(segs, views):
-                key = (s, seg.ticket.stripe_id)
-                if layers is None or len(layers) != len(self.layer_names) or any(
-                        v.nbytes != seg.ticket.layer_bytes for v in layers):
-                    missing.add(key)
-                    continue
-                source = _ViewSource(len(sources), seg.ticket, layers, layout.row_dtype)
-                t = seg.ticket
-                source.whole = bool(t.stripe_checksums) and seg.first_block == 0 and seg.num_blocks == t.stripe_blocks
-                sources[key] = source
-        return sources, missing
-
-    def _verify(self, source: _ViewSource, t: Ticket) -> bool:
-        for layer_idx in range(t.num_layers):
-            h = xxhash.xxh3_64()
-            for p in range(t.num_planes):
-                h.update(source.chunk_bytes(layer_idx, p, t))
-            if h.intdigest() != t.checksums[layer_idx]:
-                logger.warning("Range load: checksum mismatch in stripe %s layer %d blocks [%d, %d)", t.stripe_id,
-                               layer_idx, t.block_offset, t.block_offset + t.num_blocks)
-                return False
-        return True
-
-    def _drop(self, chunk_hash: ChunkHash, shard_idx: int) -> None:
-        """Forget a chunk whose bytes proved bad, so that it is not offered again."""
+    def drop(self, chunk_hash: ChunkHash, shard_idx: int) -> None:
+        """Forget a chunk whose bytes proved bad or gone, so that it is not offered again."""
         self._dropped.append(chunk_hash)
         try:
             self.backends[shard_idx].delete_tickets([ticket_key(chunk_hash, shard_idx, self.tp_rank)])
@@ -587,7 +321,9 @@ class RangeWorker:
         return out
 
     def take_failed_block_ids(self) -> set[int]:
-        """Return and forget the block ids that failed to load since the last call."""
+        """Return and forget the block ids that failed to load since the last call (the step's pipelined loads are
+        settled first)."""
+        self._finish_step_job()
         out, self._failed_block_ids = self._failed_block_ids, set()
         return out
 
@@ -595,8 +331,10 @@ class RangeWorker:
     def save(self, meta: RangeConnectorMetadata) -> None:
         """Write this step's new full chunks as one stripe per shard (split at the tier's value limit).
 
-        A failed or skipped write is counted, never raised: a lost save is only a future miss.
+        A failed or skipped write is counted, never raised: a lost save is only a future miss. The step's
+        pipelined loads are settled first (a chunk computed on top of a failed load is not saved).
         """
+        self._finish_step_job()
         if not meta.saves or self.layout is None:
             return
         layout = self.layout
@@ -688,7 +426,12 @@ class RangeWorker:
 
     def close(self) -> None:
         """Release backend connections and the bank reader."""
-        self._reader.close()
-        self._verifier.shutdown(wait=False)
+        self._finish_step_job()
+        for job, _fut in self._async_jobs.values():
+            job.cancel()
+        self._async_jobs.clear()
+        self.reader.close()
+        self.verifier.shutdown(wait=False)
+        self._async_loader.shutdown(wait=False)
         for b in {id(b): b for b in self.backends}.values():
             b.close()

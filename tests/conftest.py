@@ -8,6 +8,7 @@ resort so that no server outlives the session. A test is skipped only when no ``
 from __future__ import annotations
 
 import contextlib
+import shutil
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -104,3 +105,48 @@ def commandstats(url: str) -> dict[str, int]:
 def server_commandstats() -> Callable[[str], dict[str, int]]:
     """:func:`commandstats` as a fixture (tests cannot import conftest reliably)."""
     return commandstats
+
+
+@dataclass(frozen=True)
+class VllmCopy:
+    """A private vLLM tree for patch tests: the pinned ``mla_attention.py`` (and ``_version.py``) copied, every
+    other entry a symlink into the installed vLLM (so it imports like the original). The installed vLLM is never
+    written.
+
+    Attributes:
+        root: directory to put first on ``PYTHONPATH`` (it holds ``vllm/``).
+        vllm_dir: the copy's package directory (what ``--vllm-dir`` takes).
+        original: the pinned bytes of ``mla_attention.py``.
+    """
+
+    root: Path
+    vllm_dir: Path
+    original: bytes
+
+
+@pytest.fixture
+def vllm_copy(tmp_path: Path) -> VllmCopy:
+    """A :class:`VllmCopy` under ``tmp_path`` whose ``mla_attention.py`` is unpatched."""
+    from range_connector.errors import RangeError
+    from range_connector.patching import TARGET_RELPATH, default_vllm_dir, revert_patch
+
+    try:
+        installed = default_vllm_dir()
+    except RangeError as exc:
+        pytest.skip(f"vLLM is not installed here: {exc}")
+    root = tmp_path / "vllm-copy"
+    dst = root / "vllm"
+    copied = {TARGET_RELPATH, "_version.py"}
+    real_dirs = {str(Path(TARGET_RELPATH).parents[i]) for i in range(len(Path(TARGET_RELPATH).parents) - 1)}
+    for rel_dir in ["."] + sorted(real_dirs, key=len):
+        (dst / rel_dir).mkdir(parents=True, exist_ok=True)
+        for entry in (installed / rel_dir).iterdir():
+            rel = str(Path(rel_dir, entry.name)) if rel_dir != "." else entry.name
+            if rel in real_dirs or entry.name == "__pycache__":  # no bytecode written into the shared install
+                continue
+            if rel in copied:
+                shutil.copy2(entry, dst / rel)
+            else:
+                (dst / rel).symlink_to(entry)
+    revert_patch(dst)  # the installed file may carry the patch: the copy starts from the pinned bytes
+    return VllmCopy(root, dst, (dst / TARGET_RELPATH).read_bytes())

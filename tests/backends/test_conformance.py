@@ -1,10 +1,11 @@
 """Conformance suite of the stripe-store protocol (``range_connector.backends.base``), run against every backend.
 
 :class:`TestStripeStoreContract` holds the contract and runs once per backend through the ``store`` fixture
-(``memory``: :class:`MemoryBackend`, the reference; ``valkey``: :class:`ValkeyBackend` on a real server, flushed
-around every test). A :class:`Store` wraps what is backend-specific: building backends (with a byte budget, or with
-a lowered value limit), the server-side command counts (Valkey ``INFO commandstats``; none for memory), the leases
-the tier still holds, and an audit of the tier's own byte accounting. :class:`TestValkeyFailures` covers deadlines
+(``memory``: :class:`MemoryBackend`, the reference; ``latency``: the reference behind the latency-injecting wrapper;
+``file``; ``valkey``: :class:`ValkeyBackend` on a real server, flushed around every test). A :class:`Store` wraps
+what is backend-specific: building backends (with a byte budget, or with a lowered value limit), the server-side
+command counts (Valkey ``INFO commandstats``; none for memory), the leases the tier still holds, and an audit of the
+tier's own byte accounting. :class:`TestValkeyFailures` covers deadlines
 and failures that only a remote tier has.
 
 The Valkey tier runs twice: ``valkey`` (database 0: the bulk data path through our own RESP connection) and
@@ -32,6 +33,7 @@ import valkey
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
 from range_connector.backends.file import FileBackend
+from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
 from range_connector.backends.memory import MemoryBackend
 from range_connector.backends.valkey import ValkeyBackend
 from range_connector.errors import BackendError, BackendTimeoutError
@@ -203,6 +205,30 @@ class MemoryStore(Store):
             assert used <= backend.capacity_bytes
 
 
+class LatencyStore(MemoryStore):
+    """The DRAM tier behind the latency-injecting wrapper, slowed a little (1 ms per round trip, 2 GiB/s) so that
+    the contract is checked with the wrapper's waits and link accounting in the path."""
+
+    kind = "latency"
+
+    def __init__(self) -> None:
+        self.control = LatencyControl(TierLatency(delay_s=0.001, bandwidth_bytes_per_s=2 * 1024 * MiB))
+
+    def make(self, capacity_bytes: int | None = None) -> Backend:
+        return LatencyBackend(super().make(capacity_bytes), self.control, timeout_s=5.0)
+
+    def make_limited(self) -> Backend:
+        return LatencyBackend(super().make_limited(), self.control, timeout_s=5.0)
+
+    def leases_held(self, backend: Backend) -> int:
+        assert isinstance(backend, LatencyBackend)
+        return super().leases_held(backend.inner)
+
+    def audit(self, backend: Backend) -> None:
+        assert isinstance(backend, LatencyBackend)
+        super().audit(backend.inner)
+
+
 class ValkeyStore(Store):
     kind = "valkey"
 
@@ -304,10 +330,13 @@ class FileStore(Store):
             b.close()
 
 
-@pytest.fixture(params=["memory", "file", "valkey", "valkey-db1"])
+@pytest.fixture(params=["memory", "latency", "file", "valkey", "valkey-db1"])
 def store(request: pytest.FixtureRequest, tmp_path) -> Iterator[Store]:
     if request.param == "memory":
         yield MemoryStore()
+        return
+    if request.param == "latency":
+        yield LatencyStore()
         return
     if request.param == "file":
         s = FileStore(tmp_path)

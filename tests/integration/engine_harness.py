@@ -10,6 +10,9 @@ SPEC.json OUT.json``. Steps:
 * ``{"op": "block_digests"}`` -> digests of every non-zero block of the engine's KV cache;
 * ``{"op": "digests", "block_ids": [...]}``; ``{"op": "reset_prefix_cache"}``; ``{"op": "sleep", "seconds": s}``;
 * ``{"op": "signal_servers", "runtime_dir": d, "signal": "STOP" | "CONT" | "KILL"}`` (embedded Valkey servers);
+* ``{"op": "count_layer_hooks"}`` (counts start) and ``{"op": "layer_hook_counts"}`` -> ``{"counts": {hook:
+  {layer_name: calls}}}`` of the connector's per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``);
+* ``{"op": "mla_probe"}`` -> the worker's MLA branch probes and each attention layer's ``use_direct_call``;
 * ``{"op": "corrupt", "url": valkey URL, "byte_offset": n}`` -> flips one byte of layer 0 of the first chunk the
   connector read in its last loading step (inside the chunk's first block, in the stripe's value).
 """
@@ -72,10 +75,19 @@ def main(spec_path: str, out_path: str) -> None:
             ids = llm.collective_rpc(debug.connector_loaded_block_ids)[0]
             digests = llm.collective_rpc(debug.engine_block_digests, args=(ids,))[0]
             results.append({"block_ids": ids, "digests": [digests[b] for b in ids]})
+        elif op == "load_timelines":
+            results.append({"timelines": llm.collective_rpc(debug.connector_load_timelines)[0]})
         elif op == "block_digests":
             results.append({"digests": llm.collective_rpc(debug.engine_block_digests)[0]})
         elif op == "digests":
             results.append({"digests": llm.collective_rpc(debug.engine_block_digests, args=(step["block_ids"],))[0]})
+        elif op == "count_layer_hooks":
+            llm.collective_rpc(debug.count_layer_hooks)
+            results.append({"ok": True})
+        elif op == "layer_hook_counts":
+            results.append({"counts": llm.collective_rpc(debug.layer_hook_counts)[0]})
+        elif op == "mla_probe":
+            results.append(llm.collective_rpc(debug.mla_branch_probe)[0])
         elif op == "reset_prefix_cache":
             results.append({"ok": bool(llm.reset_prefix_cache())})
         elif op == "corrupt":

@@ -5,10 +5,13 @@ cannot serve a later run) against embedded Valkey in a temporary runtime directo
 
 1. ``reference``: no connector; the KV blocks and greedy tokens every comparison is made against.
 2. ``producer``: the connector saves the prompts.
-3. ``consumer``: a fresh engine loads them, with checksum verification off so that a block corrupted on purpose
-   reaches the KV cache and the byte comparison (engine cache vs. reference) must catch it.
+3. ``consumer``: a fresh engine loads them (layer-pipelined, one layer per transfer bank), with checksum
+   verification off so that a block corrupted on purpose reaches the KV cache and the byte comparison (engine cache
+   vs. reference) must catch it.
 4. ``verifier``: checksum verification on; the corrupted value is detected, the blocks are recomputed, the output
    is unchanged, and the phantom entry is not offered again.
+5. ``async``: asynchronous loads (the requests wait in ``WAITING_FOR_REMOTE_KVS``); same hits, same bytes, same
+   output.
 
 Blocks are compared by BLAKE3 digests of the engine's own KV-cache bytes (all layers of a block), never by the
 connector's checksums.
@@ -72,7 +75,8 @@ def scenario(request, tmp_path_factory):
             {"op": "block_digests"},
         ]}, env={"PYTHONHASHSEED": str(random.randint(1, 10**6))})
         (url,) = [s.url for s in server_status(runtime_dir)]
-        cons = run_engine(tmp, "consumer", {"model": str(model), "connector": {**connector, "verify_checksums": False},
+        cons = run_engine(tmp, "consumer", {"model": str(model), "connector": {
+            **connector, "verify_checksums": False, "load_mode": "pipelined", "bank_bytes": 1, "num_banks": 2},
                                             "steps": [
             {"op": "generate", "prompts": [x]}, {"op": "last_loads"},                      # 0, 1
             {"op": "reset_prefix_cache"},                                                  # 2
@@ -87,11 +91,19 @@ def scenario(request, tmp_path_factory):
             {"op": "corrupt", "url": url, "byte_offset": 0},                               # 16
             {"op": "reset_prefix_cache"},                                                  # 17
             {"op": "generate", "prompts": [x]}, {"op": "last_loads"},                      # 18, 19
+            {"op": "load_timelines"},                                                      # 20
         ]}, env={"PYTHONHASHSEED": str(random.randint(1, 10**6))})
         ver = run_engine(tmp, "verifier", {"model": str(model), "connector": connector, "steps": [
             {"op": "generate", "prompts": [x]}, {"op": "last_loads"},
             {"op": "reset_prefix_cache"},
             {"op": "generate", "prompts": [x]}, {"op": "last_loads"},
+        ]})
+        asy = run_engine(tmp, "async", {"model": str(model), "connector": {**connector, "load_mode": "async"},
+                                        "steps": [
+            {"op": "generate", "prompts": [x]}, {"op": "last_loads"},                      # 0, 1
+            {"op": "reset_prefix_cache"},                                                  # 2
+            {"op": "generate", "prompts": batch}, {"op": "last_loads"},                    # 3, 4
+            {"op": "load_timelines"},                                                      # 5
         ]})
         # C26: same model and store, FP8 KV instead of bf16 (CPU supports it with AVX-512/AMX): a different namespace.
         fp8 = None
@@ -102,7 +114,7 @@ def scenario(request, tmp_path_factory):
     finally:
         stop_servers(runtime_dir)
     return {"kind": kind, "block": BLOCK_SIZES[kind], "x": x, "a": a, "b": b, "batch": batch, "ref": ref, "prod": prod, "cons": cons,
-            "ver": ver, "fp8": fp8}
+            "ver": ver, "fp8": fp8, "async": asy}
 
 
 def _ref_digests(s) -> set[str]:
@@ -215,3 +227,28 @@ def test_case_C26_fp8_kv_engine_misses_bf16_entries(scenario):
         pytest.skip("the FP8-KV run is made once, with the GQA model")
     assert scenario["cons"][0]["external_hits"] == 512  # the bf16 entries are there ...
     assert scenario["fp8"][0]["external_hits"] == 0  # ... and an FP8-KV engine does not see them
+
+
+def test_pipelined_layer_zero_is_handed_to_attention_before_the_last_layer_lands(scenario):
+    """From the worker's recorded timestamps (real Valkey, no wrapper): with one layer per bank and two banks, the
+    first layer's wait returned before the last layer's bytes had landed."""
+    timelines = [t for t in scenario["cons"][20]["timelines"] if t["mode"] == "pipelined" and not t["failed"]]
+    assert timelines
+    for t in timelines:
+        assert t["num_groups"] == len(t["layer_ready_s"]) >= 3
+        assert all(w is not None for w in t["layer_waited_s"]), "attention waited for every layer"
+        assert t["layer_delivered_s"][0] < t["layer_ready_s"][-1]
+
+
+def test_async_loads_are_byte_identical_and_the_output_unchanged(scenario):
+    asy, ref, x, batch = scenario["async"], scenario["ref"], scenario["x"], scenario["batch"]
+    block = scenario["block"]
+    assert asy[0]["external_hits"] == 512
+    assert set(asy[1]["digests"]) <= set(ref[1]["digests"].values())
+    assert len(asy[1]["digests"]) * block == 512
+    assert_same_greedy(scenario["kind"], asy[0]["token_ids"], ref[0]["token_ids"])
+    expected = sum(expected_hit(len(p), len(p) // CHUNK * CHUNK, block) for p in batch)
+    assert asy[3]["external_hits"] == expected
+    assert set(asy[4]["digests"]) <= _ref_digests(scenario)
+    assert_same_greedy(scenario["kind"], asy[3]["token_ids"], ref[2]["token_ids"])
+    assert {t["mode"] for t in asy[5]["timelines"]} == {"async"}

@@ -62,6 +62,9 @@ def test_good_values_are_kept() -> None:
             "verify_checksums": False,
             "memory_capacity_bytes": 0,
             "namespace_salt": "rev-abc",
+            "tier_delay_s": 0,
+            "tier_bandwidth_bytes_per_s": 10**9,
+            "tier_control_file": "/tmp/rc/tier.json",
         }
     )
 
@@ -70,6 +73,10 @@ def test_good_values_are_kept() -> None:
     assert config.load_deadline_s == 2.5 and config.start_timeout_s == 0.25
     assert config.verify_checksums is False and config.memory_capacity_bytes == 0
     assert config.runtime_dir == "/tmp/rc" and config.namespace_salt == "rev-abc"
+    assert config.tier_delay_s == 0.0 and config.tier_bandwidth_bytes_per_s == 1e9
+    assert config.tier_control_file == "/tmp/rc/tier.json" and config.slows_tier
+    assert not RangeConfig.from_extra_config({"tier_delay_s": 0.0}).slows_tier
+    assert RangeConfig.from_extra_config({"tier_delay_s": 0.01}).slows_tier
 
 
 def test_valkey_urls_set_the_shard_count() -> None:
@@ -128,6 +135,12 @@ BAD_VALUES = [
     ("runtime_dir", ["/tmp"]),
     ("namespace_salt", None),
     ("namespace_salt", 3),
+    ("tier_control_file", 1),
+    ("tier_control_file", None),
+] + [
+    (key, value)
+    for key in ("tier_delay_s", "tier_bandwidth_bytes_per_s")
+    for value in (-1, -0.5, math.nan, math.inf, "5", True, None, [5])
 ] + [
     (key, value)
     for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s")

@@ -237,6 +237,7 @@ class StepResult:
     invalid_block_ids: set[int]
     worker_meta: RangeWorkerMetadata | None
     loaded_block_log: list[int]
+    finished_recving: set[str] = field(default_factory=set)
 
 
 class Engine:
@@ -262,6 +263,7 @@ class Engine:
         random.Random(seed).shuffle(self.free)  # block ids are neither contiguous nor ordered
         self.gen = torch.Generator().manual_seed(10_000 + seed)
         self.running: dict[str, Running] = {}
+        self.waiting_for_kv: dict[str, Running] = {}  # asynchronous loads in flight
         self.finished_req_ids: set[str] = set()
         self._new: list[NewRequestData] = []
         self._cached: list[tuple[str, list[int] | None, bool]] = []  # (req_id, new block ids, resumed)
@@ -283,7 +285,7 @@ class Engine:
         """Schedule a waiting (or preempted) request; return the external tokens vLLM committed to."""
         num_local = len(local_blocks) * BLOCK  # a block-aligned local prefix-cache hit (L969-981)
         ext, load_async = self.sched.get_num_new_matched_tokens(request, num_local)
-        assert ext is not None and load_async is False
+        assert ext is not None and load_async is False, "use admit_async for asynchronous loads"
         num_computed = num_local + ext
         prompt_len = len(request.prompt_token_ids)
         if num_new_tokens is None:
@@ -303,6 +305,45 @@ class Engine:
                 num_computed_tokens=num_computed, lora_request=None))
         self._scheduled[request.request_id] = num_new_tokens
         return ext
+
+    def admit_async(self, request: FakeRequest) -> int:
+        """A waiting request whose hit is loaded asynchronously: blocks for the hit are allocated, the connector is
+        told (scheduler.py L1288-1293), and the request waits in WAITING_FOR_REMOTE_KVS (L1318-1330), unscheduled.
+        Returns the external tokens; :meth:`resume_after_load` schedules it once the load is reported."""
+        ext, load_async = self.sched.get_num_new_matched_tokens(request, 0)
+        assert ext and load_async is True
+        block_ids = self.take_blocks(math.ceil(ext / BLOCK))
+        self.sched.update_state_after_alloc(request, block_ids, ext)
+        self.waiting_for_kv[request.request_id] = Running(request, block_ids, ext)
+        return ext
+
+    def resume_after_load(self, req_id: str, invalid_block_ids: set[int] = frozenset()) -> int:
+        """Schedule a request whose asynchronous load was reported finished (L3222-3227, L3125-3175): its
+        computed tokens stop at the first failed block; it is then scheduled as a new request (its first
+        scheduling), with ``update_state_after_alloc(..., 0)`` (no new lookup: it has computed tokens)."""
+        r = self.waiting_for_kv.pop(req_id)
+        for i, b in enumerate(r.block_ids):
+            if b in invalid_block_ids:
+                r.num_computed_tokens = min(r.num_computed_tokens, i * BLOCK)
+        prompt_len = len(r.request.prompt_token_ids)
+        r.num_computed_tokens = min(r.num_computed_tokens, prompt_len - 1)
+        num_new = prompt_len - r.num_computed_tokens
+        r.block_ids += self.take_blocks(math.ceil(prompt_len / BLOCK) - len(r.block_ids))
+        self.sched.update_state_after_alloc(r.request, r.block_ids, 0)
+        self.running[req_id] = r
+        self._new.append(NewRequestData(
+            req_id=req_id, prompt_token_ids=r.request.prompt_token_ids, mm_features=[], sampling_params=None,
+            pooling_params=None, block_ids=(list(r.block_ids),), num_computed_tokens=r.num_computed_tokens,
+            lora_request=None))
+        self._scheduled[req_id] = num_new
+        return r.num_computed_tokens
+
+    def abort_waiting(self, req_id: str) -> None:
+        """A client abort of a request waiting for its KV: ``request_finished`` now, the blocks are freed only
+        once the worker reports the load finished (L2700-2712, L3228-3229)."""
+        r = self.waiting_for_kv[req_id]
+        assert self.sched.request_finished(r.request, list(r.block_ids)) == (False, None)
+        self.finished_req_ids.add(req_id)
 
     def continue_(self, req_id: str, num_new_tokens: int | None = None) -> None:
         """Schedule more tokens of a running request (a later chunked-prefill step, or a decode step)."""
@@ -344,11 +385,13 @@ class Engine:
 
     # ---------------------------------------------------------------- one step, both sides
     def step(self, *, forward: bool = True, snapshots: bool | None = None,
-             abort_mid_step: Sequence[str] = ()) -> StepResult:
+             abort_mid_step: Sequence[str] = (), layer_waits: bool = True) -> StepResult:
         """One engine step; ``snapshots`` (default: when there is no forward) keeps copies of the KV cache.
 
         ``abort_mid_step``: requests aborted by the client while the step runs (after the scheduler built the
         step, before the worker's output reaches it): ``request_finished`` comes before ``update_connector_output``.
+        ``layer_waits=False``: attention does not call ``wait_for_layer_load`` (a platform whose attention path
+        skips the connector's per-layer hooks).
         """
         if snapshots is None:
             snapshots = not forward
@@ -359,6 +402,9 @@ class Engine:
         before = snapshot(self.kv) if snapshots else {}
         t0 = time.monotonic()
         self.worker.start_load(meta)  # mixin L85: sync loads start before the forward
+        if layer_waits:  # attention of each layer first waits for its load (kv_transfer_utils.py L51)
+            for name in LAYERS:
+                self.worker.wait_for_layer(name)
         load_s = time.monotonic() - t0
         after_load = snapshot(self.kv) if snapshots else {}
         if forward:
@@ -366,6 +412,7 @@ class Engine:
                 r = self.running[req_id]
                 self._compute(r.block_ids, r.num_computed_tokens, r.num_computed_tokens + n)
         self.worker.save(meta)  # mixin L92: wait_for_save
+        finished_recving = self.worker.get_finished(set(self.finished_req_ids))  # mixin L94
         invalid = self.worker.take_failed_block_ids()  # mixin L100
         worker_meta = self.worker.build_worker_meta()  # mixin L104
         self.sched.update_connector_output(worker_meta)  # scheduler.py L3219
@@ -377,8 +424,11 @@ class Engine:
             r = self.running.pop(req_id)
             self.free.extend(r.block_ids)
             self.finished_req_ids.add(req_id)
+        for req_id in finished_recving:  # an aborted request's blocks are freed now (L3228-3229)
+            if req_id in self.finished_req_ids and req_id in self.waiting_for_kv:
+                self.free.extend(self.waiting_for_kv.pop(req_id).block_ids)
         return StepResult(meta, before, after_load, load_s, invalid, worker_meta,
-                          self.worker.take_loaded_block_log())
+                          self.worker.take_loaded_block_log(), finished_recving)
 
     def _compute(self, block_ids: list[int], start: int, end: int) -> None:
         """The forward: new random KV in the token slots ``[start, end)`` of every layer."""
