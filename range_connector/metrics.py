@@ -14,6 +14,10 @@ class RangeConnectorStats(KVConnectorStats):
 
     Names: ``loaded_blocks``, ``loaded_tokens``, ``loaded_bytes``, ``failed_blocks``, ``saved_chunks``,
     ``saved_bytes``, ``save_errors``, ``load_backend_errors``, ``load_integrity_errors``, ``load_deadline_misses``.
+    The cost-model gate's counters (scheduler side, :meth:`range_connector.cost_estimators.DecisionStats.snapshot`):
+    ``decisions_taken``, ``decisions_shortened``, ``decisions_refused``, ``decisions_probes``, ``loads_async``,
+    ``loads_pipelined``, and ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as
+    floats).
     """
 
     def reset(self) -> None:

@@ -13,6 +13,7 @@ Contract (checked by ``tests/backends/test_conformance.py`` against every backen
 * ``get_tickets`` returns the raw ticket bytes (``None`` for a miss): one round trip, one command on Valkey (MGET).
 * ``read_ranges`` fills each read's ``dest`` with ``length`` bytes of a stripe's layer value; a stripe that is gone
   reads as ``False`` (a miss), never as garbage.
+* ``drop_stripes`` removes stripes with their tickets and bytes (a tool's own stripes; leases are not checked).
 * ``lease`` protects stripes from eviction for ``ttl_s`` seconds (or until ``release``); leases are counted, so two
   holders need two releases; an expired lease protects nothing.
 * Every call has a deadline: :class:`BackendTimeoutError` when it passes, :class:`BackendError` for other failures.
@@ -147,6 +148,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def used_bytes(self) -> int:
         """Bytes of stripes currently stored (as accounted by Range)."""
+
+    def drop_stripes(self, stripe_ids: Sequence[str]) -> None:
+        """Remove stripes and the tickets that still point at them, leased or not (one round trip); unknown ids
+        are ignored. For tools that remove what they wrote themselves (``range-connector calibrate``).
+
+        Raises:
+            BackendTimeoutError, BackendError.
+        """
+        raise NotImplementedError(f"{self.name} cannot drop stripes")
 
     def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
         """Lend read-only views of stored stripes, ``[num_layers]`` layer values each (``None``: gone).

@@ -659,6 +659,23 @@ class FileBackend(Backend):
 
         self._run("delete_tickets", [task])
 
+    def drop_stripes(self, stripe_ids: Sequence[str]) -> None:
+        ids = [sid for sid in stripe_ids if sid.isalnum()]
+
+        def task(call: _Call) -> None:
+            with self._locked(call):
+                with self._index_lock:  # tickets first, as eviction does
+                    self._catch_up(writer=True)
+                    ops = [[0, key, sid] for sid in ids for key in self._by_stripe.get(sid, ())]
+                    if ops:
+                        self._append(ops)
+                        self._evicted.extend(op[1] for op in ops)
+                for sid in ids:
+                    self._unlink(self._path("stripes", sid))
+
+        if ids:
+            self._run("drop_stripes", [task])
+
     def ping(self) -> None:
         self._run("ping", [lambda call: os.stat(self.root / "stripes")])
 

@@ -293,6 +293,9 @@ class LatencyBackend(Backend):
     def delete_tickets(self, keys: Sequence[bytes]) -> None:
         self._round_trip("delete_tickets", _WRITE, lambda: self._inner.delete_tickets(keys), lambda _: 0)
 
+    def drop_stripes(self, stripe_ids: Sequence[str]) -> None:
+        self._round_trip("drop_stripes", _WRITE, lambda: self._inner.drop_stripes(stripe_ids), lambda _: 0)
+
     def ping(self) -> None:
         self._round_trip("ping", _READ, self._inner.ping, lambda _: 0)
 

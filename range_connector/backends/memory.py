@@ -150,6 +150,19 @@ class MemoryBackend(Backend):
                 self._tickets.pop(k, None)
         self._count(round_trips=1, commands=1)
 
+    def drop_stripes(self, stripe_ids: Sequence[str]) -> None:
+        with self._lock:
+            for sid in stripe_ids:
+                values = self._stripes.pop(sid, None)
+                if values is None:
+                    continue
+                self._used_bytes -= sum(len(v) for v in values)
+                for key in self._stripe_tickets.pop(sid, ()):
+                    if self._tickets.get(key, ("",))[0] == sid:
+                        del self._tickets[key]
+                        self._evicted.append(key)
+        self._count(round_trips=1, commands=len(stripe_ids))
+
     def ping(self) -> None:
         self._count(round_trips=1, commands=1)
 

@@ -357,6 +357,12 @@ class ValkeyBackend(Backend):
         if keys:
             self._call(1, lambda: self._client.delete(*keys))
 
+    def drop_stripes(self, stripe_ids: Sequence[str]) -> None:
+        if stripe_ids:
+            # The eviction script's own drop, once per stripe, in one pipeline (values, manifest, tickets, bytes).
+            self._pipeline(len(stripe_ids),
+                           lambda p: [self._forget(args=[PREFIX, sid], client=p) for sid in stripe_ids])
+
     def used_bytes(self) -> int:
         return int(self._call(1, lambda: self._client.get(f"{PREFIX}used")) or 0)
 

@@ -906,6 +906,28 @@ class TestStripeStoreContract:
         assert read_whole(b, s) == [None]
         store.audit(b)
 
+    @pytest.mark.timeout(20)
+    def test_drop_stripes_removes_bytes_and_tickets_in_one_round_trip(self, store: Store) -> None:
+        # range-connector calibrate writes stripes of its own and must leave the tier as it found it.
+        b = store.make()
+        kept, dropped = make_stripe(1, num_chunks=2), make_stripe(2, num_chunks=3)
+        assert b.write_stripe(kept.write) is True
+        used_before = b.used_bytes()
+        assert b.write_stripe(dropped.write) is True
+        assert b.used_bytes() == used_before + dropped.nbytes
+
+        before = b.counters.snapshot()
+        b.drop_stripes([dropped.sid, "0123456789abcdef0123456789abcdef"])  # an unknown id is ignored
+        assert _delta(b, before)["round_trips"] == 1
+
+        assert b.get_tickets(dropped.keys) == [None] * 3
+        assert read_whole(b, dropped) == [None]
+        assert b.used_bytes() == used_before
+        assert b.get_tickets(kept.keys) == kept.encoded
+        assert is_stored(b, kept)
+        b.drop_stripes([])
+        store.audit(b)
+
     # ------------------------------------------------------------------ concurrency
     @pytest.mark.timeout(60)
     def test_concurrent_writers_and_readers_are_byte_exact(self, store: Store) -> None:
