@@ -193,7 +193,11 @@ def _proxy(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from range_connector.proxy import Policy, ProxyConfig, serve_proxy
+    try:
+        from range_connector.proxy import Policy, ProxyConfig, serve_proxy
+    except ImportError as exc:
+        print(f"error: the proxy needs aiohttp ({exc}): pip install 'range-connector[proxy]'", file=sys.stderr)
+        return EXIT_FAILURE
 
     try:
         config = ProxyConfig(

@@ -46,12 +46,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import json
 import logging
 import signal
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,13 +68,13 @@ from range_connector.proxy_engines import (
     mismatched_settings,
     settings_of,
 )
+from range_connector.proxy_forward import Forwarder, Outcome, Reply, snippet
 
 __all__ = ["Outcome", "Policy", "ProxyConfig", "ProxyServer", "serve_proxy"]
 
 logger = logging.getLogger(__name__)
 
 _CLIENT_MAX_BODY_BYTES = 64 * 1024 * 1024
-_ERROR_SNIPPET_CHARS = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,45 +127,6 @@ class ProxyConfig:
             if not getattr(self, key) > 0:
                 raise ConfigError(key, f"{getattr(self, key)} is not a positive number of seconds")
 
-
-class Outcome(str, enum.Enum):
-    """How a client request ended (counted in ``/proxy/status``)."""
-
-    OK = "ok"
-    BAD_REQUEST = "bad_request_400"
-    ENGINE_4XX = "engine_4xx"
-    SETTINGS_MISMATCH = "settings_mismatch_409"
-    ENGINE_FAILED = "engine_failed_502"
-    NO_ENGINE = "no_engine_503"
-    TIMEOUT = "timeout_504"
-    CLIENT_GONE = "client_disconnected"
-
-
-class _Reply(Exception):
-    """Ends a request early with an error answer: OpenAI-style JSON, or an engine's own 4xx body passed through."""
-
-    def __init__(self, outcome: Outcome, status: int, message: str, *, extra: Mapping[str, Any] | None = None,
-                 raw_body: bytes | None = None, content_type: str = "application/json") -> None:
-        super().__init__(message)
-        self.outcome, self.status, self.message = outcome, status, message
-        self.extra, self.raw_body, self.content_type = dict(extra or {}), raw_body, content_type
-
-    def error_doc(self) -> dict[str, Any]:
-        error_type = {400: "BadRequestError", 409: "SettingsMismatchError", 502: "BadGatewayError",
-                      503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}.get(self.status, "ProxyError")
-        return {"error": {"message": self.message, "type": error_type, "param": None, "code": self.status,
-                          **self.extra}}
-
-    def response(self) -> web.Response:
-        if self.raw_body is not None:
-            return web.Response(status=self.status, body=self.raw_body, headers={"Content-Type": self.content_type})
-        return web.json_response(self.error_doc(), status=self.status)
-
-
-def _snippet(data: bytes) -> str:
-    return " ".join(data.decode("utf-8", "replace").split())[:_ERROR_SNIPPET_CHARS]
-
-
 def _prefill_body(body: Mapping[str, Any], is_chat: bool) -> dict[str, Any]:
     prefill = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
     prefill["max_tokens"] = 1
@@ -191,10 +151,17 @@ class ProxyServer:
         self.pool = EnginePool(config.prefill_urls, config.decode_urls, config.policy)
         self.outcomes: collections.Counter[Outcome] = collections.Counter()
         self._session: aiohttp.ClientSession | None = None
+        self._forwarder: Forwarder | None = None
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._said_no_params: set[str] = set()
         self.port = config.port
+
+    @property
+    def _forward(self) -> Forwarder:
+        if self._forwarder is None:
+            raise RuntimeError("ProxyServer.start() was not called")
+        return self._forwarder
 
     @property
     def base_url(self) -> str:
@@ -209,6 +176,8 @@ class ProxyServer:
         """
         # No connection cap: the engines' own queues bound the load.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._forwarder = Forwarder(self._session, self.pool, self.outcomes, {
+            EngineKind.PREFILL: self.config.prefill_timeout_s, EngineKind.DECODE: self.config.decode_timeout_s})
         await self.pool.check_health(self._session, self.config.health_timeout_s)
         self._health_task = asyncio.create_task(self.pool.run_health_checks(
             self._session, self.config.health_interval_s, self.config.health_timeout_s))
@@ -254,7 +223,7 @@ class ProxyServer:
         missing = [kind.value for kind in EngineKind
                    if not any(engine.healthy for engine in self.pool.engines[kind])]
         if missing:
-            return _Reply(Outcome.NO_ENGINE, 503, f"no healthy {' or '.join(missing)} engine").response()
+            return Reply(Outcome.NO_ENGINE, 503, f"no healthy {' or '.join(missing)} engine").response()
         return web.json_response({"status": "ok"})
 
     async def _status(self, request: web.Request) -> web.Response:
@@ -268,12 +237,13 @@ class ProxyServer:
     async def _models(self, request: web.Request) -> web.Response:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
         try:
-            async with self._call(EngineKind.DECODE, self.pool.ranked(EngineKind.DECODE), "GET", "/v1/models",
-                                  None, self._headers(request, None), timeout) as (_, response):
+            call = self._forward.call(EngineKind.DECODE, self.pool.ranked(EngineKind.DECODE), "GET", "/v1/models",
+                                      None, self._headers(request, None), timeout)
+            async with call as (_, response):
                 data = await response.read()
                 return web.Response(status=response.status, body=data,
                                     headers={"Content-Type": response.headers.get("Content-Type", "application/json")})
-        except _Reply as reply:
+        except Reply as reply:
             return reply.response()
 
     # ---------------------------------------------------------------------------------------------------------
@@ -285,17 +255,17 @@ class ProxyServer:
             try:
                 body = await request.json()
             except ValueError as exc:
-                raise _Reply(Outcome.BAD_REQUEST, 400, f"request body is not JSON: {exc}") from None
+                raise Reply(Outcome.BAD_REQUEST, 400, f"request body is not JSON: {exc}") from None
             if not isinstance(body, dict):
-                raise _Reply(Outcome.BAD_REQUEST, 400, "request body must be a JSON object")
+                raise Reply(Outcome.BAD_REQUEST, 400, "request body must be a JSON object")
             if not any(engine.healthy for engine in self.pool.engines[EngineKind.DECODE]):
-                raise _Reply(Outcome.NO_ENGINE, 503, "no healthy decode engine")  # do not prefill in vain
+                raise Reply(Outcome.NO_ENGINE, 503, "no healthy decode engine")  # do not prefill in vain
             headers = self._headers(request, request_id)
             params, prefill_engine = await self._prefill(body, path, is_chat, headers)
             candidates = await self._decode_candidates(params, prefill_engine, body.get("model"), headers, request_id)
             decode_body = {**body, "kv_transfer_params": params} if params is not None else body
             return await self._decode(request, decode_body, path, candidates, headers)
-        except _Reply as reply:
+        except Reply as reply:
             self.outcomes[reply.outcome] += 1
             if reply.status >= 500 or reply.status == 409:
                 logger.warning("request %s: HTTP %d: %s", request_id, reply.status, reply.message)
@@ -311,15 +281,16 @@ class ProxyServer:
     async def _prefill(self, body: dict[str, Any], path: str, is_chat: bool,
                        headers: dict[str, str]) -> tuple[dict[str, Any] | None, Engine]:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
-        async with self._call(EngineKind.PREFILL, self.pool.ranked(EngineKind.PREFILL), "POST", path,
-                              _prefill_body(body, is_chat), headers, timeout) as (engine, response):
-            data = await self._read_answer(engine, response)
+        call = self._forward.call(EngineKind.PREFILL, self.pool.ranked(EngineKind.PREFILL), "POST", path,
+                                  _prefill_body(body, is_chat), headers, timeout)
+        async with call as (engine, response):
+            data = await self._forward.read_answer(engine, response)
         try:
             doc = json.loads(data)
         except ValueError:
             engine.record_error("answer is not JSON")
-            raise _Reply(Outcome.ENGINE_FAILED, 502,
-                         f"prefill engine {engine.url} answered with a body that is not JSON: {_snippet(data)}") from None
+            raise Reply(Outcome.ENGINE_FAILED, 502, f"prefill engine {engine.url} answered with a body that is not "
+                        f"JSON: {snippet(data)}") from None
         params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
         if not isinstance(params, dict):
             if engine.url not in self._said_no_params:
@@ -340,7 +311,7 @@ class ProxyServer:
                                "prefill/decode compatibility is not checked", prefill_engine.url)
             return candidates
         probes = await asyncio.gather(*(
-            self.pool.describe(self._session, engine, model=model if isinstance(model, str) else None,
+            self.pool.describe(self._forward.session, engine, model=model if isinstance(model, str) else None,
                                headers=headers, timeout_s=self.config.prefill_timeout_s)
             for engine in candidates), return_exceptions=True)
         compatible: list[Engine] = []
@@ -360,10 +331,10 @@ class ProxyServer:
                            engine.url, prefill_engine.url, _describe_mismatches(mismatches))
         if not compatible and refused:
             engine, mismatches = refused[0]
-            raise _Reply(Outcome.SETTINGS_MISMATCH, 409,
-                         f"prefill engine {prefill_engine.url} and decode engine {engine.url} have different Range "
-                         f"settings: {_describe_mismatches(mismatches)}",
-                         extra={"mismatches": mismatches, "prefill_url": prefill_engine.url,
+            raise Reply(Outcome.SETTINGS_MISMATCH, 409,
+                        f"prefill engine {prefill_engine.url} and decode engine {engine.url} have different Range "
+                        f"settings: {_describe_mismatches(mismatches)}",
+                        extra={"mismatches": mismatches, "prefill_url": prefill_engine.url,
                                 "decode_url": engine.url})
         return compatible
 
@@ -371,123 +342,18 @@ class ProxyServer:
                       headers: dict[str, str]) -> web.StreamResponse:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
                                         sock_read=self.config.decode_timeout_s)
-        async with self._call(EngineKind.DECODE, candidates, "POST", path, body, headers, timeout) as (engine, response):
+        call = self._forward.call(EngineKind.DECODE, candidates, "POST", path, body, headers, timeout)
+        async with call as (engine, response):
             if not body.get("stream") or response.status >= 400:
-                data = await self._read_answer(engine, response)
+                data = await self._forward.read_answer(engine, response)
                 self.outcomes[Outcome.OK] += 1
                 return web.Response(status=response.status, body=data,
                                     headers={"Content-Type": response.headers.get("Content-Type", "application/json")})
             out = web.StreamResponse(status=response.status, headers={
                 "Content-Type": response.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
             await out.prepare(request)
-            await self._pass_stream(engine, response, out)
+            await self._forward.pass_stream(engine, response, out)
             return out
-
-    async def _pass_stream(self, engine: Engine, response: aiohttp.ClientResponse, out: web.StreamResponse) -> None:
-        """Copy decode's event stream to the client unchanged; end it with an SSE error event if decode fails."""
-        tail = b"\n\n"
-        failure: _Reply | None = None
-        while True:
-            try:
-                chunk = await response.content.readany()
-            except TimeoutError:
-                engine.record_error("stream stalled")
-                failure = _Reply(Outcome.TIMEOUT, 504, f"decode engine {engine.url} sent nothing for "
-                                 f"{self.config.decode_timeout_s} s in the middle of the stream")
-                break
-            except aiohttp.ClientError as exc:
-                self.pool.mark_down(engine, f"stream broke: {type(exc).__name__}: {exc}")
-                failure = _Reply(Outcome.ENGINE_FAILED, 502, f"decode engine {engine.url} failed in the middle "
-                                 f"of the stream: {type(exc).__name__}: {exc}")
-                break
-            if not chunk:
-                break
-            try:
-                await out.write(chunk)
-            except ConnectionError:  # the client went away: closing the response makes decode abort the request
-                self.outcomes[Outcome.CLIENT_GONE] += 1
-                response.close()
-                return
-            tail = (tail + chunk)[-2:]
-        if failure is None:
-            self.outcomes[Outcome.OK] += 1
-        else:
-            self.outcomes[failure.outcome] += 1
-            logger.warning("%s", failure.message)
-            separator = b"" if tail == b"\n\n" else b"\n\n"  # never glue the error to a half-sent event
-            with contextlib.suppress(ConnectionError):
-                await out.write(separator + b"data: " + json.dumps(failure.error_doc()).encode() + b"\n\n"
-                                + b"data: [DONE]\n\n")
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
-
-    async def _read_answer(self, engine: Engine, response: aiohttp.ClientResponse) -> bytes:
-        """Read a whole answer; pass a 4xx through, turn a 5xx into 502."""
-        data = await response.read()
-        if 400 <= response.status < 500:
-            raise _Reply(Outcome.ENGINE_4XX, response.status, _snippet(data), raw_body=data,
-                         content_type=response.headers.get("Content-Type", "application/json"))
-        if response.status >= 500:
-            engine.record_error(f"HTTP {response.status}")
-            raise _Reply(Outcome.ENGINE_FAILED, 502, f"{engine.kind.value} engine {engine.url} answered HTTP "
-                         f"{response.status}: {_snippet(data)}")
-        return data
-
-    @contextlib.asynccontextmanager
-    async def _call(self, kind: EngineKind, candidates: list[Engine], method: str, path: str,
-                    payload: dict[str, Any] | None, headers: dict[str, str],
-                    timeout: aiohttp.ClientTimeout) -> AsyncIterator[tuple[Engine, aiohttp.ClientResponse]]:
-        """Send to the first candidate that accepts a connection; yield it and its response (headers read).
-
-        A refused or broken connection marks the engine down and tries the next candidate. Failures while the
-        caller reads the answer become replies: a timeout 504, a broken connection 502.
-
-        Raises:
-            _Reply: 503 when no candidate accepts, 504 on a timeout, 502 when the engine fails.
-        """
-        if self._session is None:
-            raise RuntimeError("ProxyServer.start() was not called")
-        tried: list[str] = []
-        for engine in candidates:
-            if not engine.healthy:
-                continue
-            engine.num_in_flight += 1
-            engine.num_requests += 1
-            try:
-                try:
-                    response = await self._session.request(method, engine.url + path, json=payload, headers=headers,
-                                                           timeout=timeout)
-                except aiohttp.ConnectionTimeoutError as exc:
-                    self.pool.mark_down(engine, f"connect timed out: {exc}")
-                    tried.append(engine.url)
-                    continue
-                except TimeoutError:
-                    engine.record_error("timed out")
-                    raise self._timeout(engine) from None
-                except aiohttp.ClientError as exc:
-                    self.pool.mark_down(engine, f"{type(exc).__name__}: {exc}")
-                    tried.append(engine.url)
-                    continue
-                async with response:
-                    try:
-                        yield engine, response
-                    except TimeoutError:
-                        engine.record_error("timed out")
-                        raise self._timeout(engine) from None
-                    except aiohttp.ClientError as exc:
-                        self.pool.mark_down(engine, f"{type(exc).__name__}: {exc}")
-                        raise _Reply(Outcome.ENGINE_FAILED, 502, f"{kind.value} engine {engine.url} failed: "
-                                     f"{type(exc).__name__}: {exc}") from None
-                return
-            finally:
-                engine.num_in_flight -= 1
-        detail = f" ({', '.join(tried)} refused the connection)" if tried else ""
-        raise _Reply(Outcome.NO_ENGINE, 503, f"no healthy {kind.value} engine{detail}")
-
-    def _timeout(self, engine: Engine) -> _Reply:
-        limit_s = self.config.prefill_timeout_s if engine.kind is EngineKind.PREFILL else self.config.decode_timeout_s
-        return _Reply(Outcome.TIMEOUT, 504, f"{engine.kind.value} engine {engine.url} did not answer within "
-                      f"{limit_s} s")
 
 
 def _describe_mismatches(mismatches: Mapping[str, Mapping[str, Any]]) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 T = TypeVar("T")
 
@@ -60,6 +61,7 @@ class StubEngine:
         self.name = name
         self.behaviour = StubBehaviour()
         self.requests: list[tuple[str, dict[str, Any]]] = []  # (path, body) of generation requests
+        self.headers: list[CIMultiDict[str]] = []  # headers of generation requests (case-insensitive)
         self.probes: list[dict[str, Any]] = []  # bodies of describe probes
         self.streamed: list[bytes] = []  # every byte each streamed decode sent
         self.url = ""
@@ -102,6 +104,7 @@ class StubEngine:
             self.probes.append(body)
             return web.json_response(self._answer(is_chat, ["x"], self._range_params({})))
         self.requests.append((request.path, body))
+        self.headers.append(request.headers.copy())
         if behaviour.answer_delay_s:
             await asyncio.sleep(behaviour.answer_delay_s)
         if behaviour.status != 200:

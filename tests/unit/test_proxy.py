@@ -106,9 +106,13 @@ def sse_events(raw: bytes) -> list[str]:
 
 def test_prefill_gets_one_token_and_the_marker_then_decode_gets_the_returned_params(make_stack) -> None:
     stack = make_stack()
-    response = stack.post("/v1/completions", COMPLETION)
+    response = stack.client.post(stack.url("/v1/completions"), json=COMPLETION,
+                                 headers={"Authorization": "Bearer k-1"})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == "d0-t0 d0-t1 d0-t2 "
+    [prefill_headers], [decode_headers] = stack.prefills[0].headers, stack.decodes[0].headers
+    assert prefill_headers["Authorization"] == decode_headers["Authorization"] == "Bearer k-1"
+    assert prefill_headers["X-Request-Id"] == decode_headers["X-Request-Id"], "one request id for both phases"
 
     [(prefill_path, prefill_body)] = stack.prefills[0].requests
     assert prefill_path == "/v1/completions"
@@ -268,6 +272,21 @@ def test_an_engine_dying_mid_stream_ends_the_stream_cleanly_and_the_proxy_serves
     assert stack.engine_status(dead.url)["healthy"] is False and status["num_in_flight"] == 0
 
 
+def test_a_client_leaving_mid_stream_frees_the_decode_call(make_stack) -> None:
+    stack = make_stack()
+    stack.decodes[0].behaviour.num_chunks, stack.decodes[0].behaviour.chunk_delay_s = 20, 0.1
+    with stack.client.stream("POST", stack.url("/v1/completions"), json={**COMPLETION, "stream": True}) as response:
+        assert next(response.iter_raw()).startswith(b"data: ")
+    deadline = time.monotonic() + 5.0
+    while stack.status()["outcomes"]["client_disconnected"] != 1:
+        assert time.monotonic() < deadline, "the proxy did not notice the client leaving"
+        time.sleep(0.05)
+    status = stack.status()
+    assert status["num_in_flight"] == 0 and status["outcomes"]["ok"] == 0
+    assert stack.engine_status(stack.decodes[0].url)["healthy"] is True, "a client leaving is not the engine's fault"
+    assert stack.post("/v1/completions", COMPLETION).status_code == 200
+
+
 def test_a_slow_prefill_answers_504_and_the_proxy_serves_on(make_stack) -> None:
     stack = make_stack(prefill_timeout_s=0.3)
     stack.prefills[0].behaviour.answer_delay_s = 1.5
@@ -399,15 +418,15 @@ def test_the_proxy_command_serves_until_sigterm(make_stack) -> None:
     command = [sys.executable, "-m", "range_connector.cli", "proxy", "--prefill", stack.prefills[0].url,
                "--decode", stack.decodes[0].url, "--port", str(port), "--policy", "least_loaded"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = process.stdout.readline()  # the proxy prints its address once it listens
-        assert line.strip() == f"proxy listening on http://127.0.0.1:{port}", process.stderr.read()
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=COMPLETION, timeout=10.0)
-        assert response.status_code == 200 and len(stack.decodes[0].requests) == 1
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=10.0) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=5.0)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as process:
+        try:
+            line = process.stdout.readline()  # the proxy prints its address once it listens
+            assert line.strip() == f"proxy listening on http://127.0.0.1:{port}", process.stderr.read()
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=COMPLETION, timeout=10.0)
+            assert response.status_code == 200 and len(stack.decodes[0].requests) == 1
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=10.0) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=5.0)
