@@ -75,6 +75,7 @@ __all__ = ["Outcome", "Policy", "ProxyConfig", "ProxyServer", "serve_proxy"]
 logger = logging.getLogger(__name__)
 
 _CLIENT_MAX_BODY_BYTES = 64 * 1024 * 1024
+_KEEPALIVE_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +175,10 @@ class ProxyServer:
         Raises:
             OSError: The address cannot be bound.
         """
-        # No connection cap: the engines' own queues bound the load.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # No connection cap: the engines' own queues bound the load. Idle connections are dropped before vLLM's
+        # server drops them (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so that a request never meets a closing connection.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=_KEEPALIVE_S))
         self._forwarder = Forwarder(self._session, self.pool, self.outcomes, {
             EngineKind.PREFILL: self.config.prefill_timeout_s, EngineKind.DECODE: self.config.decode_timeout_s})
         await self.pool.check_health(self._session, self.config.health_timeout_s)

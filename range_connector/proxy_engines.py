@@ -93,6 +93,7 @@ class Engine:
     settings: dict[str, Any] | None = None
     settings_state: _SettingsState = _SettingsState.UNKNOWN
     said_no_settings: bool = False
+    checked: bool = False  # whether a health check or a request has told anything yet
     probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def record_error(self, message: str) -> None:
@@ -196,9 +197,9 @@ class EnginePool:
     def mark_down(self, engine: Engine, reason: str) -> None:
         """Stop sending requests to ``engine`` until a health check answers 200 again."""
         engine.record_error(reason)
-        if engine.healthy:
+        if engine.healthy or not engine.checked:
             logger.warning("%s engine %s is down: %s", engine.kind.value, engine.url, reason)
-        engine.healthy = False
+        engine.healthy, engine.checked = False, True
 
     def mark_up(self, engine: Engine) -> None:
         """Send requests to ``engine`` again; its settings are probed anew (it may have restarted)."""
@@ -207,7 +208,7 @@ class EnginePool:
             engine.settings = None
             engine.settings_state = _SettingsState.UNKNOWN
             engine.said_no_settings = False
-        engine.healthy = True
+        engine.healthy, engine.checked = True, True
 
     async def check_health(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
         """``GET /health`` on every engine at once; 200 marks it up, anything else (or no answer) down."""

@@ -139,8 +139,8 @@ class Forwarder:
 
     @contextlib.asynccontextmanager
     async def call(self, kind: EngineKind, candidates: list[Engine], method: str, path: str,
-                    payload: dict[str, Any] | None, headers: dict[str, str],
-                    timeout: aiohttp.ClientTimeout) -> AsyncIterator[tuple[Engine, aiohttp.ClientResponse]]:
+                   payload: dict[str, Any] | None, headers: dict[str, str],
+                   timeout: aiohttp.ClientTimeout) -> AsyncIterator[tuple[Engine, aiohttp.ClientResponse]]:
         """Send to the first candidate that accepts a connection; yield it and its response (headers read).
 
         A refused or broken connection marks the engine down and tries the next candidate. Failures while the
@@ -183,7 +183,7 @@ class Forwarder:
                 return
             finally:
                 engine.num_in_flight -= 1
-        detail = f" ({', '.join(tried)} refused the connection)" if tried else ""
+        detail = f" ({', '.join(tried)} could not be reached)" if tried else ""
         raise Reply(Outcome.NO_ENGINE, 503, f"no healthy {kind.value} engine{detail}")
 
     def _timeout(self, engine: Engine) -> Reply:

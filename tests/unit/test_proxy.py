@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -410,6 +411,18 @@ def test_bad_proxy_arguments_exit_2_with_one_line(capsys, argv: list[str], needl
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+def test_a_port_in_use_exits_1_with_one_line(capsys) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--port", str(port),
+                "--log-level", "error", "--health-interval-s", "60"]
+        assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: cannot listen on 127.0.0.1:{port}: "), err
 
 
 def test_the_proxy_command_serves_until_sigterm(make_stack) -> None:
