@@ -319,7 +319,7 @@ class ProxyServer:
             for engine in candidates), return_exceptions=True)
         compatible: list[Engine] = []
         refused: list[tuple[Engine, dict[str, dict[str, Any]]]] = []
-        for engine, settings in zip(candidates, probes):
+        for engine, settings in zip(candidates, probes, strict=True):
             if isinstance(settings, EngineUnavailableError):
                 continue
             if isinstance(settings, BaseException):

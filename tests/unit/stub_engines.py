@@ -8,7 +8,7 @@ answered with ``num_chunks`` tokens. :class:`StubBehaviour` turns on the faults 
 an error status). Every generation request's body is recorded, and every byte a stream sent.
 
 :class:`LoopThread` runs one asyncio loop in a thread, so that synchronous tests can drive the proxy and the stubs
-over real HTTP (pytest-asyncio is not installed here).
+over real HTTP (pytest-asyncio is not installed here); :class:`Stack` is a running proxy with its stubs and a client.
 """
 
 from __future__ import annotations
@@ -16,12 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import httpx
 from aiohttp import web
 from multidict import CIMultiDict
+
+from range_connector.proxy import ProxyServer
 
 T = TypeVar("T")
 
@@ -180,3 +184,41 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 10.0) -> T:
         """Run ``coro`` on the loop; raise ``TimeoutError`` after ``timeout_s`` seconds."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout_s)
+
+
+@dataclass
+class Stack:
+    """A running proxy with its stub engines, and a client."""
+
+    loop: LoopThread
+    proxy: ProxyServer
+    prefills: list[StubEngine]
+    decodes: list[StubEngine]
+    client: httpx.Client
+
+    def url(self, path: str) -> str:
+        return self.proxy.base_url + path
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return self.client.post(self.url(path), json=body)
+
+    def stream(self, path: str, body: dict[str, Any]) -> tuple[httpx.Response, bytes]:
+        with self.client.stream("POST", self.url(path), json=body) as response:
+            return response, b"".join(response.iter_raw())
+
+    def status(self) -> dict[str, Any]:
+        return self.client.get(self.url("/proxy/status")).json()
+
+    def engine_status(self, url: str) -> dict[str, Any]:
+        return next(engine for engine in self.status()["engines"] if engine["url"] == url)
+
+    def wait_health(self, stub: StubEngine, healthy: bool, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.engine_status(stub.url)["healthy"] is not healthy:
+            assert time.monotonic() < deadline, f"{stub.name} not marked healthy={healthy} in {timeout_s} s"
+            time.sleep(0.02)
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """The ``data:`` payloads of a server-sent event stream, in order."""
+    return [event.removeprefix("data: ") for event in raw.decode().split("\n\n") if event]

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import pytest
 from range_connector.cli import main
 from range_connector.launch import free_port
 from range_connector.proxy import Policy, ProxyConfig, ProxyServer
-from tests.unit.stub_engines import RANGE_SETTINGS, LoopThread, StubEngine
+from tests.unit.stub_engines import RANGE_SETTINGS, LoopThread, Stack, StubEngine, sse_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,39 +33,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPLETION = {"model": "tiny-gqa", "prompt": [11, 12, 13, 14], "max_tokens": 7, "min_tokens": 2, "temperature": 0.0}
 CHAT = {"model": "tiny-gqa", "messages": [{"role": "user", "content": "Say something."}],
         "max_completion_tokens": 5, "temperature": 0.0}
-
-
-@dataclass
-class Stack:
-    """A running proxy with its stub engines, and a client."""
-
-    loop: LoopThread
-    proxy: ProxyServer
-    prefills: list[StubEngine]
-    decodes: list[StubEngine]
-    client: httpx.Client
-
-    def url(self, path: str) -> str:
-        return self.proxy.base_url + path
-
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        return self.client.post(self.url(path), json=body)
-
-    def stream(self, path: str, body: dict[str, Any]) -> tuple[httpx.Response, bytes]:
-        with self.client.stream("POST", self.url(path), json=body) as response:
-            return response, b"".join(response.iter_raw())
-
-    def status(self) -> dict[str, Any]:
-        return self.client.get(self.url("/proxy/status")).json()
-
-    def engine_status(self, url: str) -> dict[str, Any]:
-        return next(engine for engine in self.status()["engines"] if engine["url"] == url)
-
-    def wait_health(self, stub: StubEngine, healthy: bool, timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.engine_status(stub.url)["healthy"] is not healthy:
-            assert time.monotonic() < deadline, f"{stub.name} not marked healthy={healthy} in {timeout_s} s"
-            time.sleep(0.02)
 
 
 @pytest.fixture
@@ -94,11 +60,6 @@ def make_stack() -> Iterator[Callable[..., Stack]]:
             loop.run(stack.proxy.stop())
             for stub in stack.prefills + stack.decodes:
                 loop.run(stub.stop())
-
-
-def sse_events(raw: bytes) -> list[str]:
-    """The ``data:`` payloads of a server-sent event stream, in order."""
-    return [event.removeprefix("data: ") for event in raw.decode().split("\n\n") if event]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -155,7 +116,7 @@ def test_chat_completions_streaming_and_not(make_stack) -> None:
         assert prefill_body["max_tokens"] == 1 and prefill_body["max_completion_tokens"] == 1
         assert prefill_body["stream"] is False and prefill_body["messages"] == CHAT["messages"]
         assert prefill_body["kv_transfer_params"] == {"do_remote_decode": True}
-    for (_, decode_body), stream in zip(stack.decodes[0].requests, (False, True)):
+    for (_, decode_body), stream in zip(stack.decodes[0].requests, (False, True), strict=True):
         assert decode_body["max_completion_tokens"] == 5 and "max_tokens" not in decode_body
         assert decode_body.get("stream", False) is stream
         assert decode_body["kv_transfer_params"]["chain_head"] == "head-p0"
@@ -171,7 +132,8 @@ def test_round_robin_alternates_the_engines_of_each_kind(make_stack) -> None:
     for _ in range(4):
         before = [len(stub.requests) for stub in stack.prefills + stack.decodes]
         assert stack.post("/v1/completions", COMPLETION).status_code == 200
-        grown = [stub.name for stub, count in zip(stack.prefills + stack.decodes, before) if len(stub.requests) > count]
+        stubs = stack.prefills + stack.decodes
+        grown = [stub.name for stub, count in zip(stubs, before, strict=True) if len(stub.requests) > count]
         prefill_order.append(grown[0])
         decode_order.append(grown[1])
     assert prefill_order in (["p0", "p1", "p0", "p1"], ["p1", "p0", "p1", "p0"])
