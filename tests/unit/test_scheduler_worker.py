@@ -258,7 +258,9 @@ class Engine:
         lookups = backends if lookup_backends == "same" else lookup_backends
         self.sched = RangeScheduler(self.config, NAMESPACE, BLOCK, lookups,  # type: ignore[arg-type]
                                     can_load=can_load, can_save=can_save, num_layers=len(LAYERS),
-                                    layer_block_bytes=LAYER_BLOCK_BYTES[kind])
+                                    layer_block_bytes=LAYER_BLOCK_BYTES[kind],
+                                    settings={"block_size": BLOCK, "chunk_tokens": self.config.chunk_tokens,
+                                              "num_shards": num_shards, "kind": kind})
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)  # block ids are neither contiguous nor ordered
         self.gen = torch.Generator().manual_seed(10_000 + seed)
