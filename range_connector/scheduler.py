@@ -195,7 +195,7 @@ class RangeScheduler:
         promises nothing.
         """
         hashes, tail = self._chain(request)
-        tickets = self.stored_prefix(hashes, tail if self.can_load else None)
+        tickets = self.stored_prefix(hashes, tail)
         stored = min(len(tickets), len(hashes))
         has_tail = len(tickets) > len(hashes)
         num_prompt = len(request.prompt_token_ids or [])

@@ -62,7 +62,7 @@ def test_granularity_smoke(tmp_path: Path) -> None:
             assert row["byte_exact"] is True
             if path.startswith("range_"):
                 assert all(rep["byte_exact"] for rep in row["per_repeat"])
-                assert row["first_layer_s_median"] == row["restore_s_median"]  # synchronous loads
+                assert 0 < row["first_layer_s_median"] < row["restore_s_median"]  # layer-pipelined: first layer early
                 assert row["lookup_s_median"] is not None
                 assert row["client_counts_restore"]["round_trips"] >= 1
     # Range's restore work does not grow with the object count (client side and, for Valkey, server side).
