@@ -114,7 +114,7 @@ class RangeScheduler:
         self._remote_wait_until: dict[str, float] = {}  # req_id -> when to stop waiting for announced KV
         # The DRAM tier's index: chunk hash -> tickets (the bytes are in the worker, which reports saves/evictions).
         self._index: dict[ChunkHash, tuple[Ticket, ...]] = {}
-        self._leases: dict[str, dict[int, list[str]]] = {}  # req_id -> shard -> leased stripe ids
+        self._leases: dict[str, dict[int, tuple[list[str], str]]] = {}  # req_id -> shard -> (stripe ids, token)
         self._lookups: dict[str, _Lookup] = {}
         self._loads: list[RequestTransfer] = []
         self._requests: dict[str, _RequestState] = {}
@@ -303,11 +303,10 @@ class RangeScheduler:
                 ids = per_shard.setdefault(s, [])
                 if t.stripe_id not in ids:
                     ids.append(t.stripe_id)
-        taken: dict[int, list[str]] = {}
+        taken: dict[int, tuple[list[str], str]] = {}
         for s, ids in per_shard.items():
             try:
-                self.lookup_backends[s].lease(ids, self.config.lease_ttl_s)
-                taken[s] = ids
+                taken[s] = (ids, self.lookup_backends[s].lease(ids, self.config.lease_ttl_s))
             except BackendError as exc:
                 self.stats["lease_errors"] += 1
                 logger.warning("Range: lease on shard %d failed (the load may fail and be recomputed): %s", s, exc)
@@ -316,9 +315,9 @@ class RangeScheduler:
             self._leases[req_id] = taken
 
     def _release_leases(self, req_id: str) -> None:
-        for s, ids in self._leases.pop(req_id, {}).items():
+        for s, (ids, token) in self._leases.pop(req_id, {}).items():
             try:
-                self.lookup_backends[s].release(ids)  # type: ignore[index]
+                self.lookup_backends[s].release(ids, token)  # type: ignore[index]
             except BackendError as exc:
                 self.stats["lease_errors"] += 1
                 logger.warning("Range: lease release on shard %d failed (it expires by itself): %s", s, exc)

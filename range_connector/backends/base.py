@@ -14,8 +14,9 @@ Contract (checked by ``tests/backends/test_conformance.py`` against every backen
 * ``read_ranges`` fills each read's ``dest`` with ``length`` bytes of a stripe's layer value; a stripe that is gone
   reads as ``False`` (a miss), never as garbage.
 * ``drop_stripes`` removes stripes with their tickets and bytes (a tool's own stripes; leases are not checked).
-* ``lease`` protects stripes from eviction for ``ttl_s`` seconds (or until ``release``); leases are counted, so two
-  holders need two releases; an expired lease protects nothing.
+* ``lease`` protects stripes from eviction for ``ttl_s`` seconds (or until ``release``) and returns a token; each
+  holder releases its own lease by token (two holders need two releases, and a holder whose lease expired cannot
+  release another's); an expired lease protects nothing.
 * Every call has a deadline: :class:`BackendTimeoutError` when it passes, :class:`BackendError` for other failures.
 * :class:`BackendCounters` count round trips, commands, bytes, allocations and copy launches (client side).
 """
@@ -134,12 +135,17 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
-        """Protect stripes from eviction for ``ttl_s`` seconds (one round trip)."""
+    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
+        """Protect stripes from eviction for ``ttl_s`` seconds (one round trip).
+
+        Returns:
+            The lease's token: :meth:`release` with it removes exactly this lease, never another holder's.
+        """
 
     @abc.abstractmethod
-    def release(self, stripe_ids: Sequence[str]) -> None:
-        """Release one lease on each stripe (one round trip); releasing an expired lease is harmless."""
+    def release(self, stripe_ids: Sequence[str], token: str | None = None) -> None:
+        """Release a lease on each stripe (one round trip): the lease ``token`` names (harmless if it expired or
+        was released), or without a token the one that expires first. Releasing an expired lease is harmless."""
 
     @abc.abstractmethod
     def delete_tickets(self, keys: Sequence[bytes]) -> None:

@@ -628,23 +628,31 @@ class FileBackend(Backend):
 
         return self._per_stripe("read_ranges_device", reads, read_stripe)
 
-    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
+    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
         if not all(sid.isalnum() for sid in stripe_ids):
             raise ValueError(f"{self.name}: stripe ids must be alphanumeric: {list(stripe_ids)}")
         expiry = time.time_ns() + int(ttl_s * 1e9)
+        token = uuid.uuid4().hex[:16]
 
         def task(call: _Call) -> None:
             for sid in stripe_ids:
-                os.close(os.open(self._path("leases", f"{sid}.{expiry}.{uuid.uuid4().hex[:16]}"), _NEW, 0o644))
+                os.close(os.open(self._path("leases", f"{sid}.{expiry}.{token}"), _NEW, 0o644))
                 self._touch(self._path("stripes", sid))
 
         self._count(commands=len(stripe_ids))
         self._run("lease", [task])
+        return token
 
-    def release(self, stripe_ids: Sequence[str]) -> None:
+    def release(self, stripe_ids: Sequence[str], token: str | None = None) -> None:
         def task(call: _Call) -> None:
             held = self._lease_files() if stripe_ids else {}
-            for sid in stripe_ids:  # the lease that expires first goes; if another process took it, the next one
+            for sid in stripe_ids:
+                if token is not None:  # exactly this holder's lease
+                    for _expiry, name in held.get(sid, ()):
+                        if name.endswith("." + token):
+                            self._unlink(self._path("leases", name))
+                    continue
+                # the lease that expires first goes; if another process took it, the next one
                 while held.get(sid) and not self._unlink(self._path("leases", held[sid].pop(0)[1])):
                     pass
 

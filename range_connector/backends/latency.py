@@ -284,11 +284,11 @@ class LatencyBackend(Backend):
         return self._round_trip("view_stripes", _READ, lambda: self._inner.view_stripes(stripe_ids),
                                 lambda got: sum(v.nbytes for layers in got if layers for v in layers))
 
-    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
-        self._round_trip("lease", _WRITE, lambda: self._inner.lease(stripe_ids, ttl_s), lambda _: 0)
+    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
+        return self._round_trip("lease", _WRITE, lambda: self._inner.lease(stripe_ids, ttl_s), lambda _: 0)
 
-    def release(self, stripe_ids: Sequence[str]) -> None:
-        self._round_trip("release", _WRITE, lambda: self._inner.release(stripe_ids), lambda _: 0)
+    def release(self, stripe_ids: Sequence[str], token: str | None = None) -> None:
+        self._round_trip("release", _WRITE, lambda: self._inner.release(stripe_ids, token), lambda _: 0)
 
     def delete_tickets(self, keys: Sequence[bytes]) -> None:
         self._round_trip("delete_tickets", _WRITE, lambda: self._inner.delete_tickets(keys), lambda _: 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -30,7 +31,7 @@ class MemoryBackend(Backend):
         self._stripes: OrderedDict[str, list[bytes]] = OrderedDict()  # LRU order, oldest first
         self._stripe_tickets: dict[str, list[bytes]] = {}
         self._tickets: dict[bytes, tuple[str, bytes]] = {}  # key -> (stripe id, encoded ticket)
-        self._leases: dict[str, list[float]] = {}  # stripe id -> expiry times (monotonic s)
+        self._leases: dict[str, dict[str, float]] = {}  # stripe id -> {lease token: expiry (monotonic s)}
         self._used_bytes = 0
         self._lock = threading.Lock()
         #: ticket keys dropped by eviction since the last :meth:`take_evicted` (a scheduler-side index learns them).
@@ -45,7 +46,7 @@ class MemoryBackend(Backend):
             return [t[1] if (t := self._tickets.get(k)) is not None else None for k in keys]
 
     def _leased(self, stripe_id: str, now: float) -> bool:
-        live = [t for t in self._leases.get(stripe_id, ()) if t > now]
+        live = {tok: t for tok, t in self._leases.get(stripe_id, {}).items() if t > now}
         if live:
             self._leases[stripe_id] = live
         else:
@@ -125,21 +126,23 @@ class MemoryBackend(Backend):
         self._count(round_trips=1, commands=len(stripe_ids))
         return out
 
-    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
+    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
         expiry = time.monotonic() + ttl_s
+        token = uuid.uuid4().hex
         with self._lock:
             for sid in stripe_ids:
-                self._leases.setdefault(sid, []).append(expiry)
+                self._leases.setdefault(sid, {})[token] = expiry
                 if sid in self._stripes:  # a lease is a use (as on Valkey): the stripe becomes the most recent
                     self._stripes.move_to_end(sid)
         self._count(round_trips=1, commands=len(stripe_ids))
+        return token
 
-    def release(self, stripe_ids: Sequence[str]) -> None:
+    def release(self, stripe_ids: Sequence[str], token: str | None = None) -> None:
         with self._lock:
             for sid in stripe_ids:
                 held = self._leases.get(sid)
                 if held:
-                    held.remove(min(held))
+                    held.pop(token if token is not None else min(held, key=held.__getitem__), None)
                     if not held:
                         del self._leases[sid]
         self._count(round_trips=1, commands=len(stripe_ids))

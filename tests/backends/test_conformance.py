@@ -261,7 +261,7 @@ class ValkeyStore(Store):
         return self._commandstats(self.server_url)
 
     def leases_held(self, backend: Backend) -> int:
-        return len(list(self._admin.scan_iter(match=b"rc2:l:*", count=1000)))
+        return sum(self._admin.hlen(k) for k in self._admin.scan_iter(match=b"rc2:l:*", count=1000))
 
     def audit(self, backend: Backend) -> None:
         audit_valkey(self._admin)
