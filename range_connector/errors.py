@@ -37,3 +37,8 @@ class ServerStartError(BackendError):
 
 class IntegrityError(RangeError):
     """Bytes read from a tier do not match what was saved (size, header or checksum mismatch)."""
+
+
+class CollectiveError(RangeError):
+    """A collective over the context-parallel group failed or did not complete within its timeout (a rank died,
+    stopped, or issued a different sequence of collectives)."""
