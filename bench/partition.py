@@ -47,7 +47,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from granularity import (  # noqa: E402  (also puts the repository on sys.path)
     BLOCK_SIZE, BYTES_PER_TOKEN_PER_LAYER, GIB, KV, MIB, NUM_LAYERS, Payload, busy_cores, git_state, log,
-    machine_info, median, versions)
+    machine_info, median, versions, wait_quiet)
 
 from range_connector.backends.base import RangeRead  # noqa: E402
 from range_connector.backends.valkey import ValkeyBackend  # noqa: E402
@@ -367,7 +367,8 @@ def print_report(doc: dict[str, Any]) -> None:
             shared = a["partitioned_vs_shared"]
             log(f"  {path:7s} {s}/S1 bandwidth {a['bandwidth_ratio_vs_S1']:.2f}x; vs one shared server "
                 f"{shared if shared is None else f'{shared:.2f}x'}; bytes per server vs S1 "
-                f"{[round(b, 3) for b in a['bytes_per_server_vs_S1']]} (1/S = {a['expected_bytes_per_server_vs_S1']:.3f})"
+                f"{[round(b, 3) for b in a['bytes_per_server_vs_S1']]} "
+                f"(1/S = {a['expected_bytes_per_server_vs_S1']:.3f})"
                 f"; requests to >= 2 servers in flight {a['multi_server_fraction']:.0%} of the busy time")
     mdl = doc["analysis"]["model"]
     log(f"  model: server {mdl['server_cpu_s_per_gib']:.3f} CPU s/GiB, client {mdl['client_cpu_s_per_gib_fetch']:.3f} "
@@ -387,6 +388,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-gbps", type=float, default=100.0, help="per-host link speed for the model (Gb/s)")
     p.add_argument("--results-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--out", default=None, help="JSON path (default <results-dir>/partition-<timestamp>.json)")
+    p.add_argument("--max-busy-cores", type=float, default=0.5,
+                   help="quiet = other processes keep fewer cores busy than this (with --wait-quiet-s)")
+    p.add_argument("--wait-quiet-s", type=float, default=0.0, help="wait up to this long for a quiet machine first")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--seed", type=int, default=4321)
     args = p.parse_args(argv)
@@ -406,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     command = shlex.join([sys.executable, *(sys.argv if argv is None else [str(Path(__file__)), *argv])])
+    wait_quiet(args.max_busy_cores, args.wait_quiet_s)
     machine = machine_info()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_json = Path(args.out) if args.out else Path(args.results_dir) / f"partition-{stamp}.json"

@@ -90,7 +90,8 @@ def blocks_from(loads: Sequence[Any], failed_from: Mapping[str, int]) -> frozens
                      if c.chunk_idx >= failed_from[r.req_id] for b in c.block_ids)
 
 
-def exchange_shares(loads: Sequence[Any], failed_from: Mapping[str, int], plan: ShardPlan) -> tuple[tuple[int, ...], ...]:
+def exchange_shares(loads: Sequence[Any], failed_from: Mapping[str, int],
+                    plan: ShardPlan) -> tuple[tuple[int, ...], ...]:
     """Block ids whose rows each writer rank sends in the per-layer exchange: the blocks of its own shards in the
     chunks that loaded on every rank, in metadata order (``[num_writers]`` tuples; empty without exchange)."""
     if not plan.needs_exchange:

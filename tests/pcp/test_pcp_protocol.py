@@ -78,6 +78,17 @@ def produce(pool: RankPool, pcp_size: int, urls: list[str], prompt: list[int], r
     return a, block_ids, replicas[0]
 
 
+def lease_keys(url: str) -> list[bytes]:
+    """Lease counters held on a shard's server (``rc2:l:<stripe>``, see backends/valkey.py)."""
+    import valkey
+
+    client = valkey.Valkey.from_url(url, socket_timeout=5.0)
+    try:
+        return sorted(client.scan_iter(match="rc2:l:*"))
+    finally:
+        client.close()
+
+
 def block_bytes(image: bytes, block_ids: list[int], wanted: list[int]) -> bytes:
     """Bytes of ``wanted`` (a subset of ``block_ids``) cut from an image of ``block_ids`` (layer-major)."""
     per_block = len(image) // (len(block_ids) * len(LAYERS))
@@ -290,7 +301,8 @@ def test_case_C02_ranks_with_small_evicting_tiers_hit_the_minimum_and_keep_what_
 
     b = PcpEngine(pool, "B-C02", 2, urls, seed=2)
     ext = b.sched.admit(FakeRequest("x-again", x))
-    assert ext == min(held) * CHUNK  # the minimum over ranks; X1 is now leased on both shards
+    assert ext == min(held) * CHUNK  # the minimum over ranks
+    assert [len(lease_keys(u)) for u in urls] == [1, 1]  # X1 is leased on every shard, shard 1's longer run too
     # Before B's load runs, another engine saves Z (5 chunks): on shard 0 only X1 could make room, and it is
     # leased, so that save is skipped; shard 1 evicts unleased stripes.
     other = PcpEngine(pool, "O-C02", 2, urls, seed=3, capacities=capacities)
@@ -302,7 +314,7 @@ def test_case_C02_ranks_with_small_evicting_tiers_hit_the_minimum_and_keep_what_
     assert all(res["failed"] == [] for res in results)
     b_ids = list(b.sched.running["x-again"].block_ids)
     assert b.blocks(b_ids[:ext // BLOCK]) == [block_bytes(x_image, x_ids, x_ids[:ext // BLOCK])] * 2
-    assert b.sched.sched.num_leases == 0  # released on both shards once loaded
+    assert b.sched.sched.num_leases == 0 and [lease_keys(u) for u in urls] == [[], []]  # released on both shards
     for e in (a, r, b, other):
         e.close()
 
