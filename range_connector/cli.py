@@ -84,10 +84,12 @@ def _positive_float(text: str) -> float:
 def _add_runtime_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runtime-dir",
+        "--data-dir",
+        dest="runtime_dir",
         type=Path,
         default=None,
-        help="directory of servers.json, lock, logs and data dirs (default: $RANGE_CONNECTOR_RUNTIME_DIR, else "
-        "$XDG_RUNTIME_DIR or the temp dir, /range-connector-<uid>)",
+        help="folder of the servers' data dirs (shard-<i>-data), logs, servers.json and lock (default: "
+        "$RANGE_CONNECTOR_RUNTIME_DIR, else $XDG_RUNTIME_DIR or the temp dir, /range-connector-<uid>)",
     )
 
 
@@ -102,8 +104,11 @@ def _add_valkey_commands(subparsers: argparse._SubParsersAction[_Parser]) -> Non
     valkey_commands = valkey_parser.add_subparsers(dest="valkey_command", metavar="{start,status,stop}")
     valkey_commands.required = True
 
-    start = valkey_commands.add_parser("start", help="start the servers unless they are running; print their URLs")
-    start.add_argument("--shards", type=_positive_int, required=True, help="number of shards (one server each)")
+    start = valkey_commands.add_parser(
+        "start", help="start the servers unless they are running; print their URLs and the config line to use")
+    start.add_argument("--shards", type=_positive_int, required=True,
+                       help="number of shards, one server each (with prefill context parallelism of size P: P, or a "
+                       "multiple of P)")
     start.add_argument(
         "--start-timeout-s", type=_positive_float, default=10.0, help="seconds to wait for each server to answer"
     )
@@ -121,16 +126,22 @@ def _add_valkey_commands(subparsers: argparse._SubParsersAction[_Parser]) -> Non
 
 
 def _valkey_start(args: argparse.Namespace) -> int:
-    from range_connector.valkey_servers import ensure_servers
+    from range_connector.valkey_servers import ensure_servers, server_status
 
     runtime_dir = _runtime_dir(args)
     urls = ensure_servers(args.shards, runtime_dir, start_timeout_s=args.start_timeout_s)
-    print(f"{len(urls)} Valkey server(s) running (runtime dir {runtime_dir}):")
+    data_dirs = {status.url: status.data_dir for status in server_status(runtime_dir)}
+    print(f"{len(urls)} Valkey server(s) running (runtime dir {runtime_dir}); the servers never talk to each other:")
     for shard_idx, url in enumerate(urls):
-        print(f"  shard {shard_idx}: {url}")
+        print(f"  shard {shard_idx}: {url}  data dir {data_dirs.get(url, '?')}")
     print()
     print("For kv_connector_extra_config:")
     print(f'"valkey_urls": {json.dumps(urls)}')
+    print()
+    print("Engine flag:")
+    config = {"kv_connector": "RangeConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"valkey_urls": urls, "num_shards": len(urls)}}
+    print(f"--kv-transfer-config '{json.dumps(config)}'")
     return EXIT_OK
 
 

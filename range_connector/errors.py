@@ -44,3 +44,8 @@ class PatchMismatchError(RangeError):
 
     The message names the file, the vLLM version found and the expected one; nothing is written.
     """
+
+
+class CollectiveError(RangeError):
+    """A collective over the context-parallel group failed or did not complete within its timeout (a rank died,
+    stopped, or issued a different sequence of collectives)."""

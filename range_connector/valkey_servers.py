@@ -80,6 +80,7 @@ class ServerStatus:
         alive: Whether the server answers on ``port`` with the recorded ``pid``.
         used_memory_bytes: ``used_memory`` from ``INFO memory``; ``None`` when not alive.
         num_keys: ``DBSIZE`` of database 0; ``None`` when not alive.
+        data_dir: the server's working directory (``<runtime_dir>/shard-<i>-data``).
     """
 
     shard_idx: int
@@ -89,6 +90,7 @@ class ServerStatus:
     alive: bool
     used_memory_bytes: int | None
     num_keys: int | None
+    data_dir: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +243,7 @@ def server_status(runtime_dir: Path) -> list[ServerStatus]:
                 alive=stats is not None,
                 used_memory_bytes=None if stats is None else stats[0],
                 num_keys=None if stats is None else stats[1],
+                data_dir=record.data_dir,
             )
         )
     return statuses

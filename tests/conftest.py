@@ -150,3 +150,31 @@ def vllm_copy(tmp_path: Path) -> VllmCopy:
                 (dst / rel).symlink_to(entry)
     revert_patch(dst)  # the installed file may carry the patch: the copy starts from the pinned bytes
     return VllmCopy(root, dst, (dst / TARGET_RELPATH).read_bytes())
+
+
+@contextlib.contextmanager
+def _server_sets(base: Path) -> Iterator[Callable[[int], ValkeyServers]]:
+    with contextlib.ExitStack() as stack:
+        count = 0
+
+        def start(num_shards: int) -> ValkeyServers:
+            nonlocal count
+            count += 1
+            return stack.enter_context(_started_servers(num_shards, base / f"set-{count}"))
+
+        yield start
+
+
+@pytest.fixture
+def valkey_server_sets(tmp_path: Path) -> Iterator[Callable[[int], ValkeyServers]]:
+    """``start(num_shards)`` starts a set of servers (one per shard) for this test only; they may be frozen or
+    killed, and are stopped at teardown."""
+    with _server_sets(tmp_path / "valkey-sets") as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def module_valkey_server_sets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[int], ValkeyServers]]:
+    """Like :func:`valkey_server_sets`, shared by the tests of one module (do not freeze or kill these)."""
+    with _server_sets(tmp_path_factory.mktemp("valkey-module-sets")) as start:
+        yield start

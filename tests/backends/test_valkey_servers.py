@@ -331,6 +331,25 @@ def test_cli_start_status_stop(runtime_dir: Path, capsys: pytest.CaptureFixture[
     assert "stopped 2" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(30)
+def test_cli_start_takes_a_data_dir_and_prints_the_engine_flag(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    data_dir = tmp_path / "pcp-servers"
+    try:
+        assert cli.main(["valkey", "start", "--shards", "2", "--data-dir", str(data_dir)]) == 0
+        out = capsys.readouterr().out
+        flag = next(line for line in out.splitlines() if line.startswith("--kv-transfer-config "))
+        config = json.loads(flag.split(" ", 1)[1].strip("'"))
+        urls = [status.url for status in server_status(data_dir)]
+        assert config["kv_connector"] == "RangeConnector"
+        assert config["kv_connector_extra_config"] == {"valkey_urls": urls, "num_shards": 2}
+        for shard_idx in range(2):
+            assert (data_dir / f"shard-{shard_idx}-data").is_dir()
+            assert f"data dir {data_dir / f'shard-{shard_idx}-data'}" in out
+    finally:
+        stop_servers(data_dir)
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     "argv",

@@ -1,0 +1,177 @@
+"""One PCP rank of the multi-process harness: a process of its own, joined to the others by ``torch.distributed``
+(gloo on loopback), holding its own KV tensors in the engine's CPU layout, its own connections to its own shards'
+Valkey servers, a real :class:`~range_connector.worker.RangeWorker` over its
+:class:`~range_connector.sharding.RankSlice`, and a :class:`~range_connector.pcp.PcpExchange`.
+
+The test process sends commands through a pipe; :meth:`Rank.step` runs one engine step's worker hooks in the order
+vLLM 0.32's worker calls them:
+
+* ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` ``_get_kv_connector_output``: bind the metadata (L77),
+  ``start_load_kv`` before the forward when a request loads synchronously (L83-85), the forward (L87, ``yield``),
+  ``wait_for_save`` (L91-92), ``get_block_ids_with_load_errors`` (L100), ``build_connector_worker_meta`` (L104);
+* ``vllm/model_executor/layers/attention/kv_transfer_utils.py`` ``maybe_transfer_kv_layer``, which wraps every
+  attention layer (``attention.py`` L766, ``mla_attention.py`` L1463): ``wait_for_layer_load(layer_name)`` on entry
+  (L51), the attention (which writes this step's KV of the layer), ``save_kv_layer`` on exit (L57; Range saves in
+  ``wait_for_save`` instead, so it does nothing).
+
+What the connector facade will do on a PCP rank is exactly what :meth:`Rank.step` calls: ``RankSlice.metadata`` and
+``RangeWorker.start_load`` then ``PcpExchange.agree`` in ``start_load_kv``; ``PcpExchange.exchange_layer`` in
+``wait_for_layer_load``; ``RangeWorker.save(PcpExchange.without_failed_saves(...))`` in ``wait_for_save``;
+``PcpExchange.failed_block_ids`` and ``PcpExchange.worker_metadata`` in the last two hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: A rank exits when the test process has sent nothing for this long (it died without saying goodbye).
+IDLE_EXIT_S = 300.0
+
+
+def main(rank: int, world_size: int, init_file: str, conn: Any, group_timeout_s: float) -> None:
+    """Entry point of a rank process (``multiprocessing`` spawn target)."""
+    torch.set_num_threads(1)
+    import range_connector.worker  # noqa: F401  (the heavy imports, vLLM's included, before the group forms)
+    import tests.unit.test_scheduler_worker  # noqa: F401
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=group_timeout_s))
+    state = Rank(rank, world_size, group_timeout_s)
+    conn.send(("ok", os.getpid()))
+    while conn.poll(IDLE_EXIT_S):
+        op, kwargs = conn.recv()
+        if op == "exit":
+            break
+        try:
+            conn.send(("ok", getattr(state, op)(**kwargs)))
+        except Exception:  # reported to the test process, which fails the test with it
+            conn.send(("error", traceback.format_exc()))
+    state.close_all()
+    # Leave without interpreter teardown: destroying gloo groups that saw a timed-out collective can block.
+    os._exit(0)
+
+
+class Rank:
+    """The engines of one rank (a producer and a consumer may live in the same process), by name."""
+
+    def __init__(self, rank: int, world_size: int, group_timeout_s: float) -> None:
+        self.rank, self.world_size, self.group_timeout_s = rank, world_size, group_timeout_s
+        self.groups: dict[int, Any] = {}
+        self.engines: dict[str, _RankEngine] = {}
+        self.regroup()
+
+    def regroup(self) -> None:
+        """Fresh process groups of sizes 1, 2, ... (ranks ``[0, n)``); every rank of the world must call it."""
+        self.groups = {}
+        for n in range(1, self.world_size + 1):
+            group = dist.new_group(list(range(n)), timeout=timedelta(seconds=self.group_timeout_s))
+            if self.rank < n:
+                self.groups[n] = group
+        for engine in self.engines.values():
+            if engine.pcp_size in self.groups:
+                engine.exchange.regroup(self.groups[engine.pcp_size])
+
+    def setup(self, engine: str, pcp_size: int, **kw: Any) -> int | None:
+        """Build engine ``engine`` on this rank if the rank is in its PCP group; return this process's pid."""
+        if self.rank >= pcp_size:
+            return None
+        if engine in self.engines:
+            self.engines.pop(engine).close()
+        self.engines[engine] = _RankEngine(self.rank, pcp_size, self.groups[pcp_size], **kw)
+        return os.getpid()
+
+    def step(self, engine: str, **kw: Any) -> dict[str, Any]:
+        return self.engines[engine].step(**kw)
+
+    def read_blocks(self, engine: str, block_ids: list[int]) -> bytes:
+        return self.engines[engine].read_blocks(block_ids)
+
+    def close(self, engine: str) -> None:
+        if engine in self.engines:
+            self.engines.pop(engine).close()
+
+    def close_all(self) -> None:
+        for name in list(self.engines):
+            self.close(name)
+
+
+class _RankEngine:
+    """One engine's worker side on one rank."""
+
+    def __init__(self, rank: int, pcp_size: int, group: Any, *, urls: list[str], kind: str, chunk_tokens: int,
+                 seed: int, capacities: list[int | None], backend_timeout_s: float, load_deadline_s: float,
+                 collective_timeout_s: float) -> None:
+        from range_connector.backends.valkey import ValkeyBackend
+        from range_connector.config import RangeConfig
+        from range_connector.pcp import PcpExchange
+        from range_connector.sharding import RankSlice, ShardPlan
+        from range_connector.worker import RangeWorker
+        from tests.unit.test_scheduler_worker import BLOCK, LAYERS, NUM_BLOCKS, make_kv
+
+        num_shards = len(urls)
+        self.pcp_size, self.kind = pcp_size, kind
+        self.block_size, self.layers, self.num_blocks = BLOCK, LAYERS, NUM_BLOCKS
+        self.plan = ShardPlan(chunk_tokens // BLOCK, num_shards, pcp_size=pcp_size)
+        self.slice = RankSlice(self.plan, rank)
+        config = RangeConfig(backend="valkey", valkey_urls=tuple(urls), num_shards=num_shards,
+                             chunk_tokens=chunk_tokens, backend_timeout_s=backend_timeout_s,
+                             load_deadline_s=load_deadline_s, backend_retry_s=0.5).resolve(BLOCK)
+        self.load_deadline_s = load_deadline_s
+        own = [ValkeyBackend(urls[s], timeout_s=backend_timeout_s, capacity_bytes=capacities[s])
+               for s in self.slice.shard_idxs]
+        self.worker = RangeWorker(self.slice.config(config, BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
+                                  self.slice.backends(own))
+        self.kv = make_kv(kind, seed)
+        self.worker.register_kv_caches(self.kv)
+        self.exchange = PcpExchange(self.plan, rank, group, collective_timeout_s)
+        self.collective_timeout_s = collective_timeout_s
+
+    def step(self, meta: Any, scheduled: list[tuple[list[int], int, int]], forward_seed: int) -> dict[str, Any]:
+        """One engine step's worker hooks in vLLM's order (module docstring). ``scheduled``: ``(block ids, first
+        token, end token)`` of each request computed in the step."""
+        t0 = time.monotonic()
+        rank_meta = self.slice.metadata(meta)                       # bind_connector_metadata (mixin L77)
+        self.worker.start_load(rank_meta)                           # start_load_kv (mixin L85) ...
+        load_s = time.monotonic() - t0
+        local_failed = self.worker.take_failed_block_ids()
+        # ... which ends with the agreement: waits for a rank still inside its deadline-bounded load, then a margin.
+        agree_s = max(0.0, self.load_deadline_s - (time.monotonic() - t0)) + self.collective_timeout_s
+        agreement = self.exchange.agree(meta.loads, local_failed, timeout_s=agree_s)
+        exchanged = 0
+        gen = torch.Generator().manual_seed(forward_seed)          # the same "attention output" on every replica
+        for name in self.layers:                                    # the forward, layer by layer
+            exchanged += self.exchange.exchange_layer(self.kv[name], self.num_blocks)   # wait_for_layer_load (L51)
+            self._attention(name, scheduled, gen)                   # attention writes this step's KV of the layer
+            # save_kv_layer (L57): Range saves in wait_for_save.
+        self.worker.save(self.exchange.without_failed_saves(rank_meta))   # wait_for_save (mixin L92)
+        failed = self.exchange.failed_block_ids()                  # get_block_ids_with_load_errors (mixin L100)
+        worker_meta = self.exchange.worker_metadata(self.worker.build_worker_meta())  # (mixin L104)
+        return {"failed": sorted(failed), "local_failed": sorted(local_failed), "worker_meta": worker_meta,
+                "load_s": load_s, "step_s": time.monotonic() - t0, "exchanged_blocks": exchanged,
+                "consistent": agreement.consistent, "broken": self.exchange.broken,
+                "loaded_blocks": self.worker.take_loaded_block_log(), "stats": dict(self.worker.stats)}
+
+    def _attention(self, name: str, scheduled: list[tuple[list[int], int, int]], gen: torch.Generator) -> None:
+        t = self.kv[name]
+        for block_ids, start, end in scheduled:
+            pos = torch.arange(start, end)
+            blocks = torch.tensor(block_ids)[pos // self.block_size]
+            slots = pos % self.block_size
+            vals = torch.randn((len(pos), t.shape[1], t.shape[3]), generator=gen).to(t.dtype)
+            t[blocks, :, slots, :] = vals
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """Bytes of the given blocks in every layer (layer-major)."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        return b"".join(t.index_select(0, idx).contiguous().view(torch.uint8).numpy().tobytes()
+                        for t in self.kv.values())
+
+    def close(self) -> None:
+        self.worker.close()
