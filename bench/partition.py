@@ -202,11 +202,11 @@ class Case:
         chunks = tuple(ChunkTransfer(i, h, tuple(range(bpc)), tuple(ids[i * bpc:(i + 1) * bpc]), self.tickets[i])
                        for i, h in enumerate(self.hashes))
         meta = RangeConnectorMetadata(loads=[RequestTransfer(f"load-{time.monotonic_ns()}", chunks,
-                                                             self.args.payload_tokens)])
+                                                             self.args.payload_tokens, mode="sync")])
         t = time.perf_counter()
-        self.loader.start_load(meta)
-        wall_s = time.perf_counter() - t
+        self.loader.start_load(meta)  # a synchronous load: every layer has landed when it returns
         failed = self.loader.take_failed_block_ids()
+        wall_s = time.perf_counter() - t
         self.loader.take_loaded_block_log()
         self.loader.build_worker_meta()
         if failed:

@@ -312,6 +312,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     measured = max((n for n, _ in calibration.prefill_points), default=None)
     if measured is not None and max(opts.table_tokens) > measured:
         print(f"(savings above {measured} tokens extrapolate the fitted prefill curve)")
+    return EXIT_OK
 
 
 # proxy

@@ -288,29 +288,38 @@ class LoadJob:
                         by_shard[seg.shard_idx].append(RangeRead(
                             t.stripe_id, layer_idx, (p * t.stripe_blocks + seg.first_block) * row_bytes, length,
                             t.layer_bytes, mv[start:start + length]))
-            for s, reads in by_shard.items():
-                if self._cancelled.is_set() or s in self._failed_shards or time.monotonic() > self.deadline:
-                    with self._state_lock:
-                        self._errored.update((s, r.stripe_id) for r in reads)
-                    continue
-                try:
-                    ok = w.backends[s].read_ranges(reads)
-                    with self._state_lock:
-                        self._missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
-                except ValueError as exc:  # a stored value disagrees with its ticket: find which, stripe by stripe
-                    logger.warning("Range load from shard %d: %s", s, exc)
-                    w.stats["load_integrity_errors"] += 1
-                    self._reread_each_stripe(s, reads)
-                except BackendError as exc:
-                    logger.warning("Range load from shard %d: %s", s, exc)
-                    w.stats["load_backend_errors"] += 1
-                    self._failed_shards.add(s)
-                    with self._state_lock:
-                        self._errored.update((s, r.stripe_id) for r in reads)
+            if len(by_shard) > 1:  # shards live on different servers: read them at the same time
+                for fut in [w.shard_readers.submit(self._read_shard, s, reads) for s, reads in by_shard.items()]:
+                    fut.result()
+            else:
+                for s, reads in by_shard.items():
+                    self._read_shard(s, reads)
             now = time.monotonic()
             for layer_idx in group:
                 self.layer_ready_s[layer_idx] = now
         return fill
+
+    def _read_shard(self, s: int, reads: list[RangeRead]) -> None:
+        """One batched ranged read of one shard into the bank; failures are recorded, never raised."""
+        w = self.w
+        if self._cancelled.is_set() or s in self._failed_shards or time.monotonic() > self.deadline:
+            with self._state_lock:
+                self._errored.update((s, r.stripe_id) for r in reads)
+            return
+        try:
+            ok = w.backends[s].read_ranges(reads)
+            with self._state_lock:
+                self._missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
+        except ValueError as exc:  # a stored value disagrees with its ticket: find which, stripe by stripe
+            logger.warning("Range load from shard %d: %s", s, exc)
+            w.stats["load_integrity_errors"] += 1
+            self._reread_each_stripe(s, reads)
+        except BackendError as exc:
+            logger.warning("Range load from shard %d: %s", s, exc)
+            w.stats["load_backend_errors"] += 1
+            self._failed_shards.add(s)
+            with self._state_lock:
+                self._errored.update((s, r.stripe_id) for r in reads)
 
     def _reread_each_stripe(self, s: int, reads: list[RangeRead]) -> None:
         """After a shard's batched read was refused as inconsistent, read stripe by stripe (only on this error

@@ -77,6 +77,8 @@ class RangeWorker:
         self.reader = BankReader()
         self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-verify")
         self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-async-load")
+        #: reads the shards of one bank fill at the same time (each shard is its own server)
+        self.shard_readers = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="range-shard")
         self._copy_stream = None  # CUDA only: the stream that copies banks into the KV cache
         #: CUDA only: layer -> event of its pipelined load copy (attention's stream waits on it)
         self.layer_events: dict[str, object] = {}
@@ -138,7 +140,7 @@ class RangeWorker:
                 job.start()
                 self._async_jobs[req.req_id] = (job, self._async_loader.submit(self._deliver_async, job))
         if step:
-            sync = any(r.mode == SYNC for r in step) or self.deliver_before_forward
+            sync = any(r.mode == SYNC for r in step) or self.deliver_before_forward or self.config.load_mode == SYNC
             job = LoadJob(self, step, deadline, SYNC if sync else PIPELINED)
             job.start()
             self._step_job = job
@@ -433,5 +435,6 @@ class RangeWorker:
         self.reader.close()
         self.verifier.shutdown(wait=False)
         self._async_loader.shutdown(wait=False)
+        self.shard_readers.shutdown(wait=False)
         for b in {id(b): b for b in self.backends}.values():
             b.close()

@@ -122,7 +122,10 @@ class _RankEngine:
         self.slice = RankSlice(self.plan, rank)
         config = RangeConfig(backend="valkey", valkey_urls=tuple(urls), num_shards=num_shards,
                              chunk_tokens=chunk_tokens, backend_timeout_s=backend_timeout_s,
-                             load_deadline_s=load_deadline_s, backend_retry_s=0.5).resolve(BLOCK)
+                             load_deadline_s=load_deadline_s, backend_retry_s=0.5,
+                             # the ranks agree on failures in start_load_kv, before the forward: the local load
+                             # must be complete by then
+                             load_mode="sync").resolve(BLOCK)
         self.load_deadline_s = load_deadline_s
         own = [ValkeyBackend(urls[s], timeout_s=backend_timeout_s, capacity_bytes=capacities[s])
                for s in self.slice.shard_idxs]

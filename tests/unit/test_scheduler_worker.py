@@ -1294,7 +1294,8 @@ def test_no_load_read_starts_after_the_deadline() -> None:
     res = b.step(forward=False)
     assert res.invalid_block_ids and res.load_s < deadline_s + backend_s + 0.4
     time.sleep(2 * backend_s + 0.1)  # let anything still queued run
-    assert sum(f.calls["read_ranges"] for f in flaky) == 1
+    # Both shards were asked at once, before the deadline (one call each, in parallel); nothing after it.
+    assert [f.calls["read_ranges"] for f in flaky] == [1, 1]
     a.close()
     b.close()
 
