@@ -18,7 +18,7 @@ from range_connector.errors import ConfigError
 
 BACKEND_NAMES = ("valkey", "memory", "file")
 #: how a hit is loaded (see range_connector.loads)
-LOAD_MODES = ("pipelined", "async", "sync")
+LOAD_MODES = ("pipelined", "async", "sync", "auto")
 
 #: key -> (unit, default shown to users, description). Order is the README's order.
 CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
@@ -62,7 +62,13 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "-",
         "pipelined",
         'How hits are loaded: "pipelined" (in the step, attention of layer l waits for layer l only), "async" (the '
-        'request waits while other requests run) or "sync" (all before the forward; for comparison only).',
+        'request waits while other requests run), "sync" (all before the forward; for comparison only) or "auto" '
+        "(the cost model takes, shortens or refuses each hit and picks pipelined or async).",
+    ),
+    "calibration_file": (
+        "path",
+        "none",
+        'With load_mode "auto": the file written by `range-connector calibrate` that seeds R, B and T0.',
     ),
     "start_timeout_s": ("s", "10.0", "How long start-up waits for a backend server to answer."),
     "verify_checksums": ("-", "true", "Verify each loaded value's checksum before it reaches attention."),
@@ -133,6 +139,7 @@ class RangeConfig:
     load_deadline_s: float = 30.0
     load_mode: str = "pipelined"
     remote_wait_s: float = 10.0
+    calibration_file: str | None = None
     start_timeout_s: float = 10.0
     verify_checksums: bool = True
     memory_capacity_bytes: int = 1 << 30
@@ -170,6 +177,11 @@ class RangeConfig:
             if backend not in BACKEND_NAMES:
                 raise ConfigError("backend", f"{backend!r} is not one of {', '.join(BACKEND_NAMES)}")
             values["backend"] = backend
+        if "calibration_file" in extra:
+            path = extra["calibration_file"]
+            if not isinstance(path, str) or not path:
+                raise ConfigError("calibration_file", f"{path!r} is not a file path")
+            values["calibration_file"] = path
         if "load_mode" in extra:
             mode = extra["load_mode"]
             if mode not in LOAD_MODES:

@@ -48,7 +48,7 @@ logger = logging.getLogger("vllm." + __name__)
 _NEVER = 1 << 62
 
 #: load modes (``RequestTransfer.mode``, config key ``load_mode``)
-PIPELINED, ASYNC, SYNC = LOAD_MODES
+PIPELINED, ASYNC, SYNC = LOAD_MODES[:3]  # ("auto" is the scheduler's: it picks one of these)
 
 
 def row_selector(src_rows: list[int]) -> slice | torch.Tensor:

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from range_connector.backends.base import Backend
+from range_connector.calibration_file import load_calibration
 from range_connector.config import RangeConfig
+from range_connector.cost_estimators import CostGate
+from range_connector.cost_model import Decision, layout_bytes_per_token
 from range_connector.errors import BackendError
 from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.namespace import ChunkHash, prefix_hash_chain, request_salt, tail_chunk_hash
@@ -74,6 +77,7 @@ class _Lookup:
     mode: str = "pipelined"
     tail_hash: ChunkHash | None = None
     has_tail: bool = False
+    decision: Decision | None = None
 
 
 class RangeScheduler:
@@ -119,6 +123,15 @@ class RangeScheduler:
         self._loads: list[RequestTransfer] = []
         self._requests: dict[str, _RequestState] = {}
         self._lookup_down_until = 0.0  # monotonic time before which lookups are misses (a shard just failed)
+        #: with load_mode "auto": the cost model's gate (takes, shortens or refuses each hit; picks its load mode)
+        self.gate: CostGate | None = None
+        if config.load_mode == "auto" and num_layers > 0 and layer_block_bytes > 0:
+            calibration = load_calibration(config.calibration_file) if config.calibration_file else None
+            self.gate = CostGate(config.backend, config.num_shards,
+                                 layout_bytes_per_token(layer_block_bytes, num_layers, block_size), num_layers,
+                                 block_size, self.chunk_tokens, calibration=calibration)
+        self._decisions: dict[str, Decision] = {}  # req_id -> the gate's decision vLLM acted on
+        self._last_step: tuple[float, int] | None = None  # (when the last step was built, its scheduled tokens)
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
         self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
                                       "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
@@ -204,14 +217,22 @@ class RangeScheduler:
             hit = max(hit, num_prompt - 1)
         self.stats["lookups"] += 1
         mode = self.config.load_mode
-        self._lookups[request.request_id] = _Lookup(hashes, tickets, stored, num_computed_tokens, hit, mode, tail,
-                                                    has_tail)
+        lookup = _Lookup(hashes, tickets, stored, num_computed_tokens, hit, mode, tail, has_tail)
+        self._lookups[request.request_id] = lookup
         if not self.can_load:
             return 0, False
         if self._wait_for_announced_kv(request, hit):
             return None, False  # vLLM asks again next step
+        if mode == "auto":
+            lookup.mode = "pipelined"
+            # The gate weighs the hit against recomputing it; a producer's whole prompt (a tail) is always taken:
+            # a decode engine exists to load it.
+            if self.gate is not None and hit > num_computed_tokens and not has_tail:
+                lookup.decision = self.gate.decide(num_prompt, num_computed_tokens, hit)
+                lookup.num_hit_tokens = hit = max(num_computed_tokens, lookup.decision.hit_tokens)
+                lookup.mode = lookup.decision.mode.value
         external = max(0, hit - num_computed_tokens)
-        return external, external > 0 and mode == "async"
+        return external, external > 0 and lookup.mode == "async"
 
     def _wait_for_announced_kv(self, request: Request, hit: int) -> bool:
         """Whether to wait for KV that a producer announced in ``kv_transfer_params`` (disaggregated prefill) and
@@ -255,6 +276,10 @@ class RangeScheduler:
             hashes, tail = (lookup.chunk_hashes, lookup.tail_hash) if lookup else self._chain(request)
             state = _RequestState(request.request_id, list(request.prompt_token_ids or []), hashes, tail)
             self._requests[request.request_id] = state
+        if lookup is not None and lookup.decision is not None and self.gate is not None:
+            self.gate.commit(lookup.decision)
+            if num_external_tokens > 0:
+                self._decisions[request.request_id] = lookup.decision
         if lookup is not None and self.can_save:
             # Chunks already stored are not saved again.
             state.num_saved_chunks = max(state.num_saved_chunks, lookup.num_stored_chunks)
@@ -332,6 +357,11 @@ class RangeScheduler:
         """Collect this step's loads and the saves of chunks whose tokens are computed by the end of the step."""
         meta = RangeConnectorMetadata(loads=self._loads)
         self._loads = []
+        if self.gate is not None:  # R from the engine's own steps: the time between two steps' plans
+            now = time.monotonic()
+            if self._last_step is not None and self._last_step[1] > 0 and now - self._last_step[0] < 10.0:
+                self.gate.observe_step(self._last_step[1], now - self._last_step[0])
+            self._last_step = (now, scheduler_output.total_num_scheduled_tokens)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._lookups.pop(req_id, None)
@@ -398,6 +428,14 @@ class RangeScheduler:
                 state.num_saved_chunks = min(state.num_saved_chunks, chunk_idx)
         for req_id in worker_meta.loaded:
             self._release_leases(req_id)
+        if self.gate is not None:  # B and T0 from completed loads
+            for req_ids, shard_bytes, seconds in worker_meta.load_timings:
+                for shard_idx in range(self.gate.num_shards):
+                    self.gate.observe_load(shard_idx, shard_bytes, seconds)
+                for req_id in req_ids:
+                    decision = self._decisions.pop(req_id, None)
+                    if decision is not None:
+                        self.gate.record_load(decision, seconds)
         if self.lookup_backends is None:
             for h, tickets in worker_meta.saved:
                 self._index.pop(h, None)
@@ -416,6 +454,7 @@ class RangeScheduler:
         """
         state = self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._decisions.pop(request.request_id, None)
         self._remote_wait_until.pop(request.request_id, None)
         self._release_leases(request.request_id)
         params = getattr(request, "kv_transfer_params", None)

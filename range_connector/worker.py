@@ -98,6 +98,7 @@ class RangeWorker:
         # there on may be saved in this step (vLLM recomputes those blocks and they are saved then).
         self._failed_from_chunk: dict[str, int] = {}
         self._failed_loads: list[tuple[str, int]] = []
+        self._load_timings: list[tuple[tuple[str, ...], int, float]] = []
         #: block ids written by loads since :meth:`take_loaded_block_log` last ran (for inspection and tests).
         self.loaded_block_log: list[int] = []
         #: ``(shard_idx, ticket key)`` of the chunks that step read.
@@ -198,6 +199,11 @@ class RangeWorker:
 
     def _record_job(self, job: LoadJob) -> None:
         self._finish_load(job.reqs, job.failed_from, job.done)
+        ready = [t for t in job.layer_ready_s if t is not None]
+        num_blocks = sum(len(dst) for _h, _s, dst in job.done)
+        if ready and num_blocks and not job.failed_from and self.layout is not None:
+            per_shard = num_blocks * self.layout.block_bytes // max(1, self.plan.num_shards)
+            self._load_timings.append((tuple(r.req_id for r in job.reqs), per_shard, max(ready) - job.started_s))
         self._loaded_reqs.extend(r.req_id for r in job.reqs)
         self.load_timelines.append({
             "mode": job.mode, "started_s": job.started_s, "layer_ready_s": list(job.layer_ready_s),
@@ -419,11 +425,12 @@ class RangeWorker:
             if take_evicted is not None:
                 for key in take_evicted():
                     dropped.append(ChunkHash(bytes.fromhex(key.split(b":")[2].decode())))
-        if not (self._saved or dropped or self._failed_loads or self._loaded_reqs):
+        if not (self._saved or dropped or self._failed_loads or self._loaded_reqs or self._load_timings):
             return None
         meta = RangeWorkerMetadata(saved=self._saved, dropped=dropped, failed_loads=self._failed_loads,
-                                   loaded=self._loaded_reqs)
+                                   loaded=self._loaded_reqs, load_timings=self._load_timings)
         self._saved, self._dropped, self._failed_loads, self._loaded_reqs = [], [], [], []
+        self._load_timings = []
         return meta
 
     def close(self) -> None:

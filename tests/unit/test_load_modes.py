@@ -320,3 +320,33 @@ def test_mismatched_producer_settings_are_named_and_never_waited_for(caplog) -> 
     assert c.sched.stats["settings_mismatches"] == 1
     assert "block_size: 32 != 16" in caplog.text and "chunk_tokens: 64 != 32" in caplog.text
     c.close()
+
+
+# ---------------------------------------------------------------------------------------------------- the cost gate
+@pytest.mark.timeout(60)
+def test_auto_mode_takes_a_hit_on_a_fast_tier_refuses_it_on_a_slow_one_and_learns_from_loads() -> None:
+    from range_connector.cost_estimators import CostGate, GateConfig
+
+    inner = shard_backends(1, 1)
+    prompt = prompt_tokens(150, seed=80)
+    a, a_blocks = produce(inner, prompt)
+    b = Engine(wrap(inner), seed=81, load_mode="auto")  # type: ignore[arg-type]
+    assert b.sched.gate is not None
+    before = b.sched.gate.tiers.estimate("memory", 0)
+    assert b.admit(FakeRequest("B-0", prompt)) == 128  # seeds: a fast tier, slow prefill: taken
+    res = b.step(forward=False)
+    assert res.invalid_block_ids == set()
+    assert res.worker_meta is not None and res.worker_meta.load_timings  # the worker reported the load's time
+    after = b.sched.gate.tiers.estimate("memory", 0)
+    assert after != before  # ... and the gate learnt B and T0 from it
+    assert b.sched.gate.stats.snapshot()["decisions_taken"] == 1 and b.sched.gate.stats.snapshot()["realised_loads"] == 1
+    # The same tier believed to deliver 1 kB/s: recomputing is faster, the hit is refused (nothing promised).
+    slow = CostGate("memory", 1, b.sched.gate.bytes_per_token, len(LAYERS), BLOCK, b.chunk_tokens,
+                    config=GateConfig(seed_bandwidth_bytes_per_s=1e3, probe_interval_s=1e9))
+    b.sched.gate = slow
+    # The first lookup may be a probe (one chunk, to re-measure the tier); within the probe interval, none.
+    probe = b.sched.get_num_new_matched_tokens(FakeRequest("B-1", prompt), 0)
+    assert probe[0] in (0, b.chunk_tokens)
+    assert b.sched.get_num_new_matched_tokens(FakeRequest("B-2", prompt), 0) == (0, False)
+    a.close()
+    b.close()
