@@ -144,7 +144,8 @@ class LatencyControl:
         self._next_poll_at = 0.0
         self._file_version: tuple[int, int, int] | None = None
         if self._file is not None:
-            self._poll(time.monotonic(), strict=True)
+            with self._changed:
+                self._poll(time.monotonic(), strict=True)
 
     def current(self) -> TierLatency:
         """The settings now (re-reads the control file when due)."""
@@ -179,7 +180,7 @@ class LatencyControl:
         return settings
 
     def _poll(self, now: float, *, strict: bool) -> None:
-        """Apply the control file if it changed (caller holds the lock, or is the constructor)."""
+        """Apply the control file if it changed (the caller holds the lock)."""
         if self._file is None:
             return
         self._next_poll_at = now + self._poll_s

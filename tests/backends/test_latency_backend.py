@@ -210,3 +210,12 @@ def test_config_wraps_every_shard_with_one_shared_control() -> None:
     assert isinstance(shards[0].inner, MemoryBackend) and shards[0].timeout_s == 2.0
     assert shards[0].control.current() == TierLatency(delay_s=0.01, bandwidth_bytes_per_s=5e8)
     assert shards[0].supports_views and shards[0].num_leases() == 0  # capabilities and extras of the tier
+
+
+def test_a_control_file_present_at_start_up_is_applied(tmp_path) -> None:
+    from range_connector.backends.latency import LatencyControl, TierLatency, write_control_file
+
+    path = tmp_path / "tier.json"
+    write_control_file(path, frozen=True, delay_s=0.25)
+    control = LatencyControl(TierLatency(0.0, 0.0), path)
+    assert control.current().frozen is True and control.current().delay_s == 0.25
