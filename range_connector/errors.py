@@ -37,3 +37,11 @@ class ServerStartError(BackendError):
 
 class IntegrityError(RangeError):
     """Bytes read from a tier do not match what was saved (size, header or checksum mismatch)."""
+
+
+class TraceError(RangeError, ValueError):
+    """A request trace is unusable: a bad field, line or option.
+
+    The message is one line naming the file, the line and the field, e.g.
+    ``trace.jsonl:12: input_length: -5 is not a positive integer``.
+    """
