@@ -14,9 +14,14 @@ Configurations:
   ``kv_connector_extra_config`` keys, e.g. ``'{"chunk_tokens": 512}'``).
 * ``example``: vLLM's built-in ``ExampleConnector`` (stores every prompt's KV as safetensors files under a
   directory of the run; it hits only when a whole prompt, less its last partial block, was seen before).
+* ``lmcache`` (only when asked for): vLLM's ``LMCacheMPConnector`` against an LMCache 0.5.6 multi-process cache
+  server (CPU L1 of 1 GiB, LRU, chunk 256 tokens, ``lmcache_driven`` transfers, the only mode its CPU server
+  offers) started from ``--lmcache-venv`` (``bash bench/setup_lmcache_env.sh``). LMCache is not installed in the
+  main environment (it downgrades numpy), so the engine gets that environment's site-packages on ``PYTHONPATH``:
+  its packages (numpy 2.2 among them) shadow the main environment's in the engine processes.
 
 The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
-trace of :func:`range_connector.traces.synthetic_trace`; ``--start/--count`` take a slice, ``--time-scale`` and
+trace of :func:`range_connector.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice, ``--time-scale`` and
 ``--token-scale`` scale it (the hash block shrinks with the tokens; both are printed and stored in the JSON),
 and prompts longer than ``--max-model-len`` are cut. ``--endpoint URL`` replays against a server that is already
 running (any OpenAI-compatible one; ``--metrics-url`` names the engines to read) instead of starting engines.
@@ -34,9 +39,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,16 +59,18 @@ from range_connector.errors import TraceError  # noqa: E402
 from range_connector.launch import ServerError, ServerProcess, complete, connector_config  # noqa: E402
 from range_connector.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
 from range_connector.replay_report import format_comparison, write_json, write_plots  # noqa: E402
+from range_connector.synthetic_trace import synthetic_trace  # noqa: E402
 from range_connector.traces import (  # noqa: E402
     PromptBuilder,
     Trace,
     normal_vocab_token_ids,
     prepare_trace,
     read_trace,
-    synthetic_trace,
 )
 
 CONFIGS = ("none", "range", "example")
+OPTIONAL_CONFIGS = ("lmcache",)
+LMCACHE_READY_LINE = "cache server is running"
 PRIME_SEED = 987_654_321  # prompts from this seed share no block with the trace's
 
 
@@ -87,6 +97,53 @@ def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any]) 
     raise ValueError(f"--configs: unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
 
 
+class LMCacheServer:
+    """LMCache's multi-process cache server (``lmcache.v1.multiprocess.server``) in its own process group."""
+
+    def __init__(self, venv: Path, run_dir: Path, timeout_s: float = 120.0) -> None:
+        from range_connector.launch import free_port
+
+        self.python = venv / "bin" / "python"
+        if not self.python.exists():
+            raise RuntimeError(f"--lmcache-venv: {venv} has no bin/python (create it: bash bench/setup_lmcache_env.sh)")
+        self.site_packages = next(iter(sorted((venv / "lib").glob("python3*/site-packages"))), None)
+        self.port = free_port()
+        self.log_path = run_dir / "lmcache-server.log"
+        self.timeout_s = timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def kv_transfer_config(self) -> str:
+        return json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                                         "lmcache.mp.port": self.port, "lmcache.mp.mq_timeout": 60,
+                                                         "lmcache.mp.mp_transfer_mode": "lmcache_driven"}})
+
+    def __enter__(self) -> LMCacheServer:
+        cmd = [str(self.python), "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
+               str(self.port), "--chunk-size", "256", "--l1-size-gb", "1", "--eviction-policy", "LRU"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        deadline_s = time.monotonic() + self.timeout_s
+        while LMCACHE_READY_LINE not in self.log_path.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline_s:
+                self.__exit__(None, None, None)
+                tail = " | ".join(self.log_path.read_text(errors="replace").splitlines()[-3:])
+                raise RuntimeError(f"LMCache server not ready (exit {self.process.returncode}): {tail}")
+            time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=5)
+
+
 def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Trace, requests: list,
                work_dir: Path, range_extra: dict[str, Any], prime_prompt: list[int]) -> ReplayReport:
     """Start the engine of ``config``, prime it, replay, stop it; a failure becomes a report with the reason."""
@@ -97,13 +154,20 @@ def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Tr
     run_dir.mkdir(parents=True)
     to_stop: list[Path] = []
     try:
-        kv_config, to_stop = kv_transfer_config(config, run_dir, range_extra)
+        side = contextlib.nullcontext()
+        extra_env: dict[str, str] = {}
+        if config == "lmcache":
+            side = LMCacheServer(Path(args.lmcache_venv), run_dir)
+            kv_config = side.kv_transfer_config()
+            extra_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(side.site_packages)) if p)
+        else:
+            kv_config, to_stop = kv_transfer_config(config, run_dir, range_extra)
         extra_args = [] if args.local_prefix_cache else ["--no-enable-prefix-caching"]
         server = ServerProcess(model_dir, work_dir=run_dir, max_model_len=args.max_model_len,
                                block_size=args.block_size, kv_transfer_config=kv_config,
                                omp_threads_bind=args.omp_threads_bind, extra_args=extra_args,
-                               log_path=run_dir / "vllm.log")
-        with server:
+                               extra_env=extra_env, log_path=run_dir / "vllm.log")
+        with side, server:
             _log(f"{config}: starting vLLM on port {server.port} (log {server.log_path})")
             startup_s = server.wait_ready(timeout_s=args.startup_timeout_s)
             _log(f"{config}: ready after {startup_s:.1f} s; priming, then replaying {len(requests)} requests")
@@ -159,6 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--no-local-prefix-cache", dest="local_prefix_cache", action="store_false",
                    help="turn vLLM's own prefix cache off (all hits then come from the connector)")
     g.add_argument("--range-extra", default="{}", help="JSON merged into Range's kv_connector_extra_config")
+    g.add_argument("--lmcache-venv", default=str(REPO / ".venv-lmcache"),
+                   help="environment with LMCache 0.5.6 for the lmcache configuration")
     g.add_argument("--omp-threads-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the engine")
     g.add_argument("--startup-timeout-s", type=float, default=300.0)
     g.add_argument("--endpoint", default=None, help="replay against this running server instead of --configs")
@@ -185,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--range-extra: {exc}", file=sys.stderr)
         return 2
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in CONFIGS + OPTIONAL_CONFIGS]
     if unknown and not args.endpoint:
-        print(f"--configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})", file=sys.stderr)
+        print(f"--configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS + OPTIONAL_CONFIGS)})",
+              file=sys.stderr)
         return 2
     try:
         trace = load_trace(args)

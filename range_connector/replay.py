@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -80,6 +81,8 @@ class RequestResult:
         prompt_tokens: Prompt length sent.
         output_tokens: Output tokens received (token ids when the server returns them, else ``usage``).
         finish_reason: The server's ``finish_reason``.
+        output_digest: Hex digest (blake2b, 8 bytes) of the generated token ids when the server returned them
+            (vLLM's ``return_token_ids``), to compare outputs across configurations; else ``None``.
         error: ``None`` on success, else a one-line reason (HTTP status and body, timeout, connection error).
     """
 
@@ -93,6 +96,7 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None
+    output_digest: str | None = None
     error: str | None = None
 
 
@@ -148,7 +152,8 @@ async def _send(client: Any, url: str, body: dict[str, Any], result: RequestResu
     """Stream one completion into ``result`` (never raises for request failures)."""
     import httpx
 
-    counts = {"ids": 0, "chunks": 0, "usage": 0}
+    counts = {"chunks": 0, "usage": 0}
+    token_ids: list[int] = []
 
     async def stream() -> None:
         async with client.stream("POST", url, json=body) as response:
@@ -174,7 +179,7 @@ async def _send(client: Any, url: str, body: dict[str, Any], result: RequestResu
                         if result.ttft_s is None:
                             result.ttft_s = time.perf_counter() - t_sent
                         counts["chunks"] += 1
-                        counts["ids"] += len(ids)
+                        token_ids.extend(ids)
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
 
     try:
@@ -187,7 +192,10 @@ async def _send(client: Any, url: str, body: dict[str, Any], result: RequestResu
         result.error = _one_line(f"bad response: {type(exc).__name__}: {exc}")
     finally:
         result.e2e_s = time.perf_counter() - t_sent
-    result.output_tokens = counts["ids"] or counts["usage"] or counts["chunks"]
+    result.output_tokens = len(token_ids) or counts["usage"] or counts["chunks"]
+    if token_ids:
+        digest = hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8)
+        result.output_digest = digest.hexdigest()
     if result.error is None and result.ttft_s is None:
         result.error = "no output: the stream ended without a token"
     if result.error is None and result.ttft_s is not None and result.output_tokens >= 2:

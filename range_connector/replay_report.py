@@ -14,7 +14,7 @@ from typing import Any
 
 from range_connector.replay import ReplayReport
 
-__all__ = ["comparison_rows", "format_comparison", "ratios", "write_json", "write_plots"]
+__all__ = ["comparison_rows", "format_comparison", "ratios", "same_outputs", "write_json", "write_plots"]
 
 # (row label, path into ReplayReport.to_dict(), format, lower is better?)
 _ROWS: tuple[tuple[str, tuple[str, ...], str, bool | None], ...] = (
@@ -84,6 +84,9 @@ def comparison_rows(reports: Sequence[ReplayReport], baseline: str = "none") -> 
     others = [i for i in range(len(labels)) if i != base_idx] if base_idx is not None else []
     header = ["metric", *labels, *(f"{labels[i]}/{baseline}" for i in others)]
     rows = [header]
+    if base_idx is not None:
+        same = [same_outputs(r, reports[base_idx]) for r in reports]
+        rows.append([f"outputs equal to {baseline}", *(f"{a} / {b}" for a, b in same), *([""] * len(others))])
     for name, path, spec, lower_better in _ROWS:
         cells = [name]
         for doc in docs:
@@ -98,6 +101,15 @@ def comparison_rows(reports: Sequence[ReplayReport], baseline: str = "none") -> 
             cells.append(f"{value / base:.2f}x" if ok else "")
         rows.append(cells)
     return rows
+
+
+def same_outputs(report: ReplayReport, baseline: ReplayReport) -> tuple[int, int]:
+    """``(equal, compared)``: requests (by trace index) that succeeded in both reports with output digests, and
+    how many of them generated the same token ids."""
+    base = {r.index: r.output_digest for r in baseline.results if r.error is None and r.output_digest}
+    pairs = [(r.output_digest, base[r.index]) for r in report.results
+             if r.error is None and r.output_digest and r.index in base]
+    return sum(a == b for a, b in pairs), len(pairs)
 
 
 def format_comparison(reports: Sequence[ReplayReport], baseline: str = "none") -> str:
@@ -115,8 +127,10 @@ def write_json(path: str | os.PathLike[str], reports: Sequence[ReplayReport], *,
     """Write ``{"reports": [...], "ratios_vs_<baseline>": ..., **extra}`` as JSON; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    base = next((r for r in reports if r.label == baseline), None)
+    equal = {r.label: dict(zip(("equal", "compared"), same_outputs(r, base))) for r in reports} if base else {}
     doc = {**(extra or {}), "baseline": baseline, f"ratios_vs_{baseline}": ratios(reports, baseline),
-           "reports": [r.to_dict() for r in reports]}
+           f"outputs_equal_to_{baseline}": equal, "reports": [r.to_dict() for r in reports]}
     path.write_text(json.dumps(doc, indent=1, default=str))
     return path
 

@@ -27,7 +27,8 @@ pytest.importorskip("httpx")
 from range_connector.launch import ServerProcess, connector_config, scrape_metrics  # noqa: E402
 from range_connector.replay import ReplayRequest, build_requests, run_replay  # noqa: E402
 from range_connector.replay_report import format_comparison, write_json, write_plots  # noqa: E402
-from range_connector.traces import PromptBuilder, normal_vocab_token_ids, prepare_trace, synthetic_trace  # noqa: E402
+from range_connector.synthetic_trace import synthetic_trace  # noqa: E402
+from range_connector.traces import PromptBuilder, normal_vocab_token_ids, prepare_trace  # noqa: E402
 from range_connector.valkey_servers import stop_servers  # noqa: E402
 
 pytestmark = pytest.mark.engine

@@ -61,3 +61,28 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
     assert histogram_quantile(0.9, buckets) == pytest.approx(0.5 + 0.5 * (9 - 8) / 2)
     assert histogram_quantile(0.99, {0.1: 0.0, 1.0: 1.0, math.inf: 3.0}) == 1.0  # in +Inf: the largest bound
     assert histogram_quantile(0.5, {0.1: 0.0, math.inf: 0.0}) is None
+
+
+def test_comparison_table_ratios_and_output_equality(tmp_path) -> None:
+    import json
+
+    from range_connector.replay import ReplayReport
+    from range_connector.replay_report import format_comparison, ratios, same_outputs, write_json
+
+    def report(label: str, ttft_s: float, digests: list[str]) -> ReplayReport:
+        results = [RequestResult(i, float(i), sent_s=float(i), dispatch_delay_s=0.0, ttft_s=ttft_s, e2e_s=2 * ttft_s,
+                                 prompt_tokens=10, output_tokens=4, output_digest=d) for i, d in enumerate(digests)]
+        return ReplayReport(label, None, {}, summarize(results), None, results)
+
+    none = report("none", 0.4, ["a", "b", "c"])
+    rng = report("range", 0.1, ["a", "b", "x"])
+    assert same_outputs(rng, none) == (2, 3) and same_outputs(none, none) == (3, 3)
+    assert ratios([none, rng])["range"]["TTFT p50 (s)"] == pytest.approx(0.25)
+    table = format_comparison([none, rng])
+    lines = table.splitlines()
+    assert lines[0].split() == ["metric", "none", "range", "range/none"]
+    assert any(line.startswith("outputs equal to none") and "2 / 3" in line for line in lines)
+    assert any(line.startswith("TTFT p50 (s)") and line.rstrip().endswith("0.25x") for line in lines)
+    doc = json.loads(write_json(tmp_path / "r.json", [none, rng]).read_text())
+    assert doc["outputs_equal_to_none"]["range"] == {"equal": 2, "compared": 3}
+    assert doc["ratios_vs_none"]["range"]["E2E p50 (s)"] == pytest.approx(0.25)

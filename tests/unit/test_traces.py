@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from range_connector.errors import TraceError
+from range_connector.synthetic_trace import synthetic_trace
 from range_connector.traces import (
     MOONCAKE_BLOCK_TOKENS,
     PromptBuilder,
@@ -26,7 +27,6 @@ from range_connector.traces import (
     scale_time,
     scale_tokens,
     slice_trace,
-    synthetic_trace,
     write_mooncake,
 )
 
