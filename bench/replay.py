@@ -21,7 +21,10 @@ Configurations:
   its packages (numpy 2.2 among them) shadow the main environment's in the engine processes.
 
 The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
-trace of :func:`range_connector.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice, ``--time-scale`` and
+trace of :func:`range_connector.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
+``--conversations --count N``: N requests of whole conversations, see
+:func:`range_connector.traces.sample_conversations`; contiguous slices of the Mooncake conversation trace share
+almost no prefix, because turns of one conversation are minutes apart), ``--time-scale`` and
 ``--token-scale`` scale it (the hash block shrinks with the tokens; both are printed and stored in the JSON),
 and prompts longer than ``--max-model-len`` are cut. ``--endpoint URL`` replays against a server that is already
 running (any OpenAI-compatible one; ``--metrics-url`` names the engines to read) instead of starting engines.
@@ -33,7 +36,7 @@ Usage::
 
     python bench/replay.py                                     # synthetic trace, none/range/example
     python bench/replay.py --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \\
-        --count 100 --token-scale 0.03125 --time-scale 0.05 --warmup 10
+        --conversations --count 100 --token-scale 0.03125 --time-scale 0.02 --warmup 10
 """
 
 from __future__ import annotations
@@ -162,7 +165,10 @@ def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Tr
             extra_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(side.site_packages)) if p)
         else:
             kv_config, to_stop = kv_transfer_config(config, run_dir, range_extra)
-        extra_args = [] if args.local_prefix_cache else ["--no-enable-prefix-caching"]
+        # Per-request cached tokens in usage (local + external), recorded by the client.
+        extra_args = ["--enable-prompt-tokens-details"]
+        if not args.local_prefix_cache:
+            extra_args.append("--no-enable-prefix-caching")
         server = ServerProcess(model_dir, work_dir=run_dir, max_model_len=args.max_model_len,
                                block_size=args.block_size, kv_transfer_config=kv_config,
                                omp_threads_bind=args.omp_threads_bind, extra_args=extra_args,
@@ -196,7 +202,7 @@ def load_trace(args: argparse.Namespace) -> Trace:
         base = synthetic_trace(args.synthetic_requests, seed=args.seed, request_rate_per_s=args.synthetic_rate)
     return prepare_trace(base, start=args.start, count=args.count, time_scale=args.time_scale,
                          token_scale=args.token_scale, scale_output=not args.no_scale_output,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, conversations=args.conversations, seed=args.seed)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -209,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0, help="synthetic trace and prompt-token seed")
     g.add_argument("--start", type=int, default=0, help="first request of the slice")
     g.add_argument("--count", type=int, default=None, help="requests in the slice (default: all)")
+    g.add_argument("--conversations", action="store_true",
+                   help="take --count requests of whole conversations (seeded) instead of a contiguous slice")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (0.1: 10x faster)")
     g.add_argument("--token-scale", type=float, default=1 / 16,
                    help="multiply token counts; the 512-token hash block shrinks with them (default 1/16)")

@@ -80,6 +80,8 @@ class RequestResult:
         e2e_s: Send to the end of the response (also set for failures: time until the failure).
         prompt_tokens: Prompt length sent.
         output_tokens: Output tokens received (token ids when the server returns them, else ``usage``).
+        cached_tokens: Prompt tokens the server reports as cached (``usage.prompt_tokens_details.cached_tokens``:
+            vLLM's local prefix cache plus connector hits; only with ``--enable-prompt-tokens-details``).
         finish_reason: The server's ``finish_reason``.
         output_digest: Hex digest (blake2b, 8 bytes) of the generated token ids when the server returned them
             (vLLM's ``return_token_ids``), to compare outputs across configurations; else ``None``.
@@ -95,6 +97,7 @@ class RequestResult:
     e2e_s: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int | None = None
     finish_reason: str | None = None
     output_digest: str | None = None
     error: str | None = None
@@ -173,6 +176,9 @@ async def _send(client: Any, url: str, body: dict[str, Any], result: RequestResu
                     return
                 if chunk.get("usage"):
                     counts["usage"] = int(chunk["usage"].get("completion_tokens") or 0)
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        result.cached_tokens = int(details["cached_tokens"])
                 for choice in chunk.get("choices") or []:
                     ids = choice.get("token_ids") or []
                     if choice.get("text") or ids:
@@ -304,6 +310,7 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
             errors[reason] = errors.get(reason, 0) + 1
     num_prompt = sum(r.prompt_tokens for r in ok)
     num_output = sum(r.output_tokens for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     rate = (lambda n: n / span_s if span_s > 0 else None)  # noqa: E731
     return {
         "num_requests": len(results),
@@ -317,6 +324,7 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
         "dispatch_delay_s": _stats([r.dispatch_delay_s for r in ok if r.dispatch_delay_s is not None]),
         "prompt_tokens": num_prompt,
         "output_tokens": num_output,
+        "cached_tokens": sum(cached) if cached else None,
         "request_throughput_per_s": rate(len(ok)),
         "output_tokens_per_s": rate(num_output),
         "total_tokens_per_s": rate(num_prompt + num_output),

@@ -33,6 +33,7 @@ _ROWS: tuple[tuple[str, tuple[str, ...], str, bool | None], ...] = (
     ("engine prompt tokens", ("engine", "totals", "prompt_tokens"), ".0f", None),
     ("local prefix-cache hit tokens", ("engine", "totals", "local_hit_tokens"), ".0f", None),
     ("external (tier) hit tokens", ("engine", "totals", "external_hit_tokens"), ".0f", None),
+    ("cached tokens (client usage)", ("summary", "cached_tokens"), "d", None),
     ("share served from the tier", ("engine", "external_hit_share"), ".1%", None),
     ("share from local prefix cache", ("engine", "local_hit_share"), ".1%", None),
     ("engine TTFT mean (s)", ("engine", "engine_ttft_s", "mean"), ".3f", True),

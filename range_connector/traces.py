@@ -13,7 +13,8 @@ Formats:
   ``ContextTokens``, ``GeneratedTokens``. No prefix information: every request gets hash ids of its own.
 * Synthetic: :func:`range_connector.synthetic_trace.synthetic_trace` makes Mooncake-format conversations.
 
-Transforms (each recorded in :attr:`Trace.transforms`, so a report says what was replayed): :func:`slice_trace`,
+Transforms (each recorded in :attr:`Trace.transforms`, so a report says what was replayed): :func:`slice_trace`
+or :func:`sample_conversations`,
 :func:`scale_time`, :func:`scale_tokens` (the hash block shrinks with the token counts, so the sharing structure is
 kept), :func:`cap_lengths`; :func:`prepare_trace` applies them in that order.
 
@@ -53,6 +54,7 @@ __all__ = [
     "read_azure",
     "read_mooncake",
     "read_trace",
+    "sample_conversations",
     "scale_time",
     "scale_tokens",
     "slice_trace",
@@ -281,6 +283,43 @@ def slice_trace(trace: Trace, start: int = 0, count: int | None = None) -> Trace
     return replace(trace, requests=reqs, transforms=(*trace.transforms, note))
 
 
+def sample_conversations(trace: Trace, count: int, *, seed: int = 0, key_blocks: int = 2) -> Trace:
+    """Keep about ``count`` requests made of whole multi-turn conversations, in their original timing.
+
+    A contiguous slice of a real trace holds few turns of one conversation (in the Mooncake conversation trace the
+    median gap between turns is about 2 minutes, while 100 requests arrive in about 30 s), so its prompts share
+    almost nothing. This takes conversations instead: requests are grouped by their first ``key_blocks`` hash ids
+    (equal ids mean an equal prefix), groups with at least two requests are drawn in a seeded random order and
+    kept whole until ``count`` requests are reached (the last group is cut), then arrivals are shifted so that the
+    first is at 0 s. Combine with :func:`scale_time` to compress the hour they span.
+
+    Raises:
+        TraceError: ``count`` < 1, ``key_blocks`` < 1, or the trace has no request sharing a prefix.
+    """
+    if count < 1 or key_blocks < 1:
+        raise TraceError(f"sample_conversations: count {count} and key_blocks {key_blocks} must be >= 1")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(trace.requests):
+        groups.setdefault(r.hash_ids[:key_blocks], []).append(i)
+    multi = [idx for idx in groups.values() if len(idx) >= 2]
+    if not multi:
+        raise TraceError(f"sample_conversations: no two requests of {trace.source} share {key_blocks} hash blocks")
+    order = np.random.default_rng(seed).permutation(len(multi))
+    kept: list[int] = []
+    num_groups = 0
+    for g in order:
+        kept.extend(multi[g][:count - len(kept)])
+        num_groups += 1
+        if len(kept) >= count:
+            break
+    reqs = [trace.requests[i] for i in sorted(kept)]
+    t0 = reqs[0].arrival_s
+    reqs = [replace(r, arrival_s=r.arrival_s - t0) for r in reqs]
+    note = (f"conversations: {len(reqs)} requests of {num_groups} conversations (requests sharing their first "
+            f"{key_blocks} hash blocks; seed {seed}) out of {len(trace.requests)}, arrivals shifted by -{t0:g} s")
+    return replace(trace, requests=tuple(reqs), transforms=(*trace.transforms, note))
+
+
 def scale_time(trace: Trace, factor: float) -> Trace:
     """Multiply every arrival time by ``factor`` (0.1: ten times faster than recorded).
 
@@ -344,14 +383,20 @@ def cap_lengths(trace: Trace, max_model_len: int) -> Trace:
 
 
 def prepare_trace(trace: Trace, *, start: int = 0, count: int | None = None, time_scale: float = 1.0,
-                  token_scale: float = 1.0, scale_output: bool = True, max_model_len: int | None = None) -> Trace:
-    """Apply :func:`slice_trace`, :func:`scale_time`, :func:`scale_tokens` and :func:`cap_lengths` in that order
-    (a transform whose argument is neutral is skipped, except the slice, which always rebases time to 0).
+                  token_scale: float = 1.0, scale_output: bool = True, max_model_len: int | None = None,
+                  conversations: bool = False, seed: int = 0) -> Trace:
+    """Apply :func:`slice_trace` (or, with ``conversations``, :func:`sample_conversations` of ``count`` requests
+    drawn with ``seed``; ``start`` is then unused), :func:`scale_time`, :func:`scale_tokens` and
+    :func:`cap_lengths` in that order (a transform whose argument is neutral is skipped, except the first, which
+    always rebases time to 0).
 
     Raises:
         TraceError: A bad argument (named in the message).
     """
-    trace = slice_trace(trace, start, count)
+    if conversations:
+        trace = sample_conversations(trace, count or len(trace.requests), seed=seed)
+    else:
+        trace = slice_trace(trace, start, count)
     if time_scale != 1.0:
         trace = scale_time(trace, time_scale)
     if token_scale != 1.0:

@@ -7,7 +7,8 @@ chunks its prompt shares with an earlier prompt (Range saves every prompt's full
 and rounded down to whole blocks. Checked:
 
 * the report's external hit tokens equal the growth of ``vllm:external_prefix_cache_hits_total`` read by the test
-  itself, less the warm-up requests, and both equal the hits expected from the trace (which are not zero);
+  itself, less the warm-up requests, and both equal the hits expected from the trace (which are not zero); each
+  request's ``usage.prompt_tokens_details.cached_tokens`` equals its own expected hit;
 * every request succeeded with a positive TTFT no larger than its end-to-end latency; the engine's TTFT histogram
   counted exactly the measured requests, and its mean is below the client's by less than the request overhead;
 * the report's prompt tokens equal the measured prompts' lengths; the JSON and both PNGs are written.
@@ -82,7 +83,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     kv_config = connector_config({"runtime_dir": str(runtime_dir), "chunk_tokens": CHUNK_TOKENS})
     proc = ServerProcess(model_dir, work_dir=tmp_path_factory.mktemp("vllm"), block_size=BLOCK_SIZE,
                          max_model_len=MAX_MODEL_LEN, kv_transfer_config=kv_config,
-                         extra_args=["--no-enable-prefix-caching"])
+                         extra_args=["--no-enable-prefix-caching", "--enable-prompt-tokens-details"])
     try:
         with proc:
             proc.wait_ready(timeout_s=300)
@@ -117,6 +118,10 @@ def test_replay_report_agrees_with_metrics_and_trace(server: ServerProcess, requ
     assert engine.prompt_tokens == measured_prompt_tokens == report.summary["prompt_tokens"]
     assert engine.external_hit_share == pytest.approx(expected_measured / measured_prompt_tokens)
     assert engine.prompt_by_source.get("external_kv_transfer") == pytest.approx(expected_measured)
+
+    # Per request, the server's usage agrees with the trace (only connector hits: the local cache is off).
+    assert [r.cached_tokens for r in report.results] == expected[WARMUP:]
+    assert report.summary["cached_tokens"] == expected_measured
 
     # TTFT: positive, within E2E, and consistent with the engine's own histogram.
     for r in report.results:

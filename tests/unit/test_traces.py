@@ -24,6 +24,7 @@ from range_connector.traces import (
     read_azure,
     read_mooncake,
     read_trace,
+    sample_conversations,
     scale_time,
     scale_tokens,
     slice_trace,
@@ -281,3 +282,36 @@ def test_describe_is_json_ready(mooncake_file: Path) -> None:
     assert json.loads(json.dumps(info))["num_requests"] == 2
     assert info["input_tokens"] == 2700 and info["output_tokens"] == 70
     assert isinstance(Trace((), 512, "x", "mooncake").describe()["best_prefix_hit_share"], float)
+
+
+def test_sample_conversations_keeps_whole_conversations(tmp_path: Path) -> None:
+    rows = [  # two conversations (keys (0, 1) and (0, 7)) interleaved with single requests
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 10, "input_length": 1000, "output_length": 5, "hash_ids": [3, 4]},
+        {"timestamp": 20, "input_length": 1100, "output_length": 5, "hash_ids": [0, 7, 8]},
+        {"timestamp": 30, "input_length": 1600, "output_length": 5, "hash_ids": [0, 1, 2, 9]},
+        {"timestamp": 40, "input_length": 900, "output_length": 5, "hash_ids": [5, 6]},
+        {"timestamp": 50, "input_length": 1600, "output_length": 5, "hash_ids": [0, 7, 8, 10]},
+        {"timestamp": 60, "input_length": 2100, "output_length": 5, "hash_ids": [0, 1, 2, 9, 11]},
+    ]
+    trace = read_mooncake(_write_jsonl(tmp_path / "conv.jsonl", rows))
+    sampled = sample_conversations(trace, 10, seed=0)
+    assert [r.hash_ids[:2] for r in sampled.requests] == [(0, 1), (0, 7), (0, 1), (0, 7), (0, 1)]
+    assert sampled.requests[0].arrival_s == 0.0 and sampled.requests[-1].arrival_s == pytest.approx(0.06)
+    assert "5 requests of 2 conversations" in sampled.transforms[-1]
+    one = sample_conversations(trace, 2, seed=0)
+    assert len(one.requests) == 2 and len({r.hash_ids[:2] for r in one.requests}) == 1  # one whole conversation
+    assert sample_conversations(trace, 2, seed=0) == one  # seeded
+    assert best_prefix_hit_share(sampled) > best_prefix_hit_share(slice_trace(trace, 0, 5))
+    with pytest.raises(TraceError, match="no two requests"):
+        sample_conversations(slice_trace(trace, 1, 1), 5)
+    via_prepare = prepare_trace(trace, count=10, conversations=True, seed=0)
+    assert via_prepare.requests == sampled.requests
+
+
+def test_real_mooncake_conversation_sample_shares_prefixes() -> None:
+    trace = read_trace(_shared("mooncake_conversation_trace.jsonl"))
+    contiguous = prepare_trace(trace, count=100, token_scale=1 / 32)
+    sampled = prepare_trace(trace, count=100, token_scale=1 / 32, conversations=True, seed=0)
+    assert len(sampled.requests) == 100
+    assert best_prefix_hit_share(contiguous) < 0.05 < 0.3 < best_prefix_hit_share(sampled)
