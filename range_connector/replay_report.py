@@ -147,6 +147,7 @@ def write_plots(prefix: str | os.PathLike[str], reports: Sequence[ReplayReport])
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
 
     prefix = Path(prefix)
@@ -160,6 +161,9 @@ def write_plots(prefix: str | os.PathLike[str], reports: Sequence[ReplayReport])
         if len(ttfts):
             ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=report.label)
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("time to first token (s, client)")
     ax.set_ylabel("share of requests")
     ax.set_title("TTFT CDF")
