@@ -357,8 +357,9 @@ def run_replay(base_url: str, requests: Sequence[ReplayRequest], *, metrics_urls
         The report.
 
     Raises:
-        ValueError: ``warmup`` negative or not smaller than ``len(requests)``.
-        httpx.HTTPError: ``/metrics`` could not be read (the requests themselves never raise).
+        ValueError: ``warmup`` negative or not smaller than ``len(requests)``. Neither failed requests nor
+            unreadable ``/metrics`` raise: they are in the report (``error`` per request,
+            ``engine.extra["unreadable_engines"]``).
     """
     if not 0 <= warmup < len(requests):
         raise ValueError(f"warmup: {warmup} must be >= 0 and < the {len(requests)} requests")

@@ -51,12 +51,14 @@ class MetricsSnapshot:
         ttft_buckets: ``{url: {upper bound le in s (inf for +Inf): cumulative count}}``.
         prompt_by_source: ``{url: {source: tokens}}``.
         taken_at_s: ``time.monotonic()`` of the reading.
+        errors: ``{url: one-line reason}`` for engines that could not be read (absent from the other fields).
     """
 
     counters: dict[str, dict[str, float]]
     ttft_buckets: dict[str, dict[float, float]]
     prompt_by_source: dict[str, dict[str, float]]
     taken_at_s: float
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], dict[str, float]]:
@@ -79,20 +81,24 @@ def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], di
 
 
 def snapshot_metrics(urls: Sequence[str], timeout_s: float = 10.0) -> MetricsSnapshot:
-    """Read ``/metrics`` of every URL.
+    """Read ``/metrics`` of every URL. An engine that cannot be read (down, killed mid-replay) is recorded in
+    :attr:`MetricsSnapshot.errors` instead of raising.
 
     Args:
         urls: ``http://host:port`` of each engine.
         timeout_s: Per request, in seconds.
-
-    Raises:
-        httpx.HTTPError: An engine could not be read.
     """
-    counters, buckets, sources = {}, {}, {}
+    import httpx
+
+    counters, buckets, sources, errors = {}, {}, {}, {}
     for url in urls:
-        counters[url] = scrape_metrics(url, timeout_s=timeout_s)
-        buckets[url], sources[url] = _scrape_labelled(url, timeout_s)
-    return MetricsSnapshot(counters, buckets, sources, time.monotonic())
+        try:
+            counters[url] = scrape_metrics(url, timeout_s=timeout_s)
+            buckets[url], sources[url] = _scrape_labelled(url, timeout_s)
+        except (httpx.HTTPError, ValueError) as exc:
+            counters.pop(url, None)
+            errors[url] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    return MetricsSnapshot(counters, buckets, sources, time.monotonic(), errors)
 
 
 def _total(snapshot: MetricsSnapshot, name: str) -> float:
@@ -120,7 +126,8 @@ def settle_metrics(urls: Sequence[str], before: MetricsSnapshot, *, min_prompt_t
         after = snapshot_metrics(urls)
         grown_prompt = _total(after, COUNTERS["prompt_tokens"]) - _total(before, COUNTERS["prompt_tokens"])
         grown_first = _total(after, COUNTERS["engine_ttft_count"]) - _total(before, COUNTERS["engine_ttft_count"])
-        if (grown_prompt >= min_prompt_tokens and grown_first >= min_first_tokens) or time.monotonic() > deadline_s:
+        caught_up = grown_prompt >= min_prompt_tokens and grown_first >= min_first_tokens
+        if caught_up or after.errors or time.monotonic() > deadline_s:  # a dead engine will not catch up
             return after
         time.sleep(poll_interval_s)
 
@@ -194,13 +201,15 @@ class EngineCounts:
 
 
 def engine_counts(before: MetricsSnapshot, after: MetricsSnapshot) -> EngineCounts:
-    """Deltas between two readings of the same engines (see :class:`EngineCounts`)."""
-    per_engine = {url: {key: after.counters[url].get(name, 0.0) - before.counters.get(url, {}).get(name, 0.0)
-                        for key, name in COUNTERS.items()} for url in after.counters}
+    """Deltas between two readings of the same engines (see :class:`EngineCounts`). Only engines read both times
+    count; the others are listed in ``extra["unreadable_engines"]`` with the reason."""
+    readable = [url for url in after.counters if url in before.counters]
+    per_engine = {url: {key: after.counters[url].get(name, 0.0) - before.counters[url].get(name, 0.0)
+                        for key, name in COUNTERS.items()} for url in readable}
     totals = {key: sum(d[key] for d in per_engine.values()) for key in COUNTERS}
     sources: dict[str, float] = {}
     buckets: dict[float, float] = {}
-    for url in after.counters:
+    for url in readable:
         for source, value in after.prompt_by_source[url].items():
             sources[source] = sources.get(source, 0.0) + value - before.prompt_by_source.get(url, {}).get(source, 0.0)
         for le, value in after.ttft_buckets[url].items():
@@ -214,5 +223,6 @@ def engine_counts(before: MetricsSnapshot, after: MetricsSnapshot) -> EngineCoun
         totals=totals, per_engine=per_engine, prompt_by_source=sources, engine_ttft_s=ttft,
         external_hit_share=totals["external_hit_tokens"] / prompt if prompt else None,
         local_hit_share=totals["local_hit_tokens"] / prompt if prompt else None,
-        extra={"span_s": after.taken_at_s - before.taken_at_s},
+        extra={"span_s": after.taken_at_s - before.taken_at_s,
+               "unreadable_engines": {**before.errors, **after.errors}},
     )

@@ -39,6 +39,7 @@ _ROWS: tuple[tuple[str, tuple[str, ...], str, bool | None], ...] = (
     ("engine TTFT mean (s)", ("engine", "engine_ttft_s", "mean"), ".3f", True),
     ("client TTFT mean (s)", ("summary", "ttft_s", "mean"), ".3f", True),
     ("engine TTFT p99 (s, histogram)", ("engine", "engine_ttft_s", "p99"), ".3f", True),
+    ("engines whose /metrics failed", ("engine", "unreadable_engines"), "", None),
 )
 
 
@@ -94,6 +95,8 @@ def comparison_rows(reports: Sequence[ReplayReport], baseline: str = "none") -> 
             value = _get(doc, path)
             if name.startswith("requests ok"):
                 cells.append(f"{value} / {_get(doc, ('summary', 'num_requests'))}")
+            elif name.startswith("engines whose"):
+                cells.append("-" if doc.get("engine") is None else str(len(value or {})))
             else:
                 cells.append(_fmt(value, spec))
         for i in others:

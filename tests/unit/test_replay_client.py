@@ -86,3 +86,14 @@ def test_comparison_table_ratios_and_output_equality(tmp_path) -> None:
     doc = json.loads(write_json(tmp_path / "r.json", [none, rng]).read_text())
     assert doc["outputs_equal_to_none"]["range"] == {"equal": 2, "compared": 3}
     assert doc["ratios_vs_none"]["range"]["E2E p50 (s)"] == pytest.approx(0.25)
+
+
+def test_unreadable_metrics_are_reported_not_raised() -> None:
+    from range_connector.replay_metrics import engine_counts, snapshot_metrics
+
+    url = f"http://127.0.0.1:{free_port()}"  # an engine that is gone
+    snap = snapshot_metrics([url], timeout_s=2.0)
+    assert list(snap.errors) == [url] and snap.errors[url].startswith("ConnectError") and not snap.counters
+    counts = engine_counts(snap, snap)
+    assert counts.totals["external_hit_tokens"] == 0 and counts.external_hit_share is None
+    assert counts.to_dict()["unreadable_engines"] == {url: snap.errors[url]}
