@@ -49,3 +49,11 @@ class PatchMismatchError(RangeError):
 class CollectiveError(RangeError):
     """A collective over the context-parallel group failed or did not complete within its timeout (a rank died,
     stopped, or issued a different sequence of collectives)."""
+
+
+class TraceError(RangeError, ValueError):
+    """A request trace is unusable: a bad field, line or option.
+
+    The message is one line naming the file, the line and the field, e.g.
+    ``trace.jsonl:12: input_length: -5 is not a positive integer``.
+    """

