@@ -77,7 +77,9 @@ from range_connector.traces import (  # noqa: E402
 )
 
 CONFIGS = ("none", "range", "example")
-OPTIONAL_CONFIGS = ("lmcache",)
+#: Range with a given load mode (``range`` alone: the config default or ``--range-extra``)
+RANGE_VARIANTS = {f"range-{mode}": {"load_mode": mode} for mode in ("pipelined", "async", "sync", "auto")}
+OPTIONAL_CONFIGS = ("lmcache", *RANGE_VARIANTS)
 LMCACHE_READY_LINE = "cache server is running"
 PRIME_SEED = 987_654_321  # prompts from this seed share no block with the trace's
 
@@ -90,12 +92,13 @@ def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any]) 
     """``--kv-transfer-config`` JSON of a configuration, and the Valkey runtime dirs to stop afterwards."""
     if config == "none":
         return None, []
-    if config == "range":
+    if config == "range" or config in RANGE_VARIANTS:
         from range_connector.valkey_servers import ensure_servers
 
         runtime_dir = run_dir / "valkey"
         urls = ensure_servers(1, runtime_dir)
-        return connector_config({"valkey_urls": urls, **range_extra}), [runtime_dir]
+        extra = {**range_extra, **RANGE_VARIANTS.get(config, {})}
+        return connector_config({"valkey_urls": urls, **extra}), [runtime_dir]
     if config == "example":
         storage = run_dir / "example-kv"
         storage.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,8 @@ class RequestTransfer:
         mode: for loads, who delivers them: ``"pipelined"`` (layer by layer as attention asks, in this step),
             ``"async"`` (in the background; the request waits in ``WAITING_FOR_REMOTE_KVS``) or ``"sync"``
             (all before the forward; for comparison only).
+        deadline_s: for loads the cost model planned, seconds the load may take: derived from its predicted time
+            and bounded by what recomputing the tokens would cost (``None``: the config's ``load_deadline_s``).
     """
 
     req_id: str
@@ -53,6 +55,7 @@ class RequestTransfer:
     num_tokens: int
     fail: bool = False
     mode: str = "pipelined"
+    deadline_s: float | None = None
 
 
 @dataclass

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm." + __name__)
 
+#: the shortest deadline the cost model gives a load (seconds): below it, timer noise alone would fail loads
+_MIN_LOAD_DEADLINE_S = 0.05
+
 
 def settings_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
     """``"key: theirs != ours, ..."`` for every setting both sides name with different values ("" if none)."""
@@ -309,7 +312,12 @@ class RangeScheduler:
             chunks.append(ChunkTransfer(chunk_idx, chunk_hash, tuple(positions),  # type: ignore[arg-type]
                                         tuple(block_ids[chunk_idx * bpc + p] for p in positions),
                                         lookup.tickets[chunk_idx]))
-        self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens, mode=lookup.mode))
+        deadline_s = None
+        if lookup.decision is not None:  # twice the predicted load, at least what recomputing would cost
+            d = lookup.decision
+            deadline_s = min(self.config.load_deadline_s, max(2.0 * d.load_s, d.recompute_s, _MIN_LOAD_DEADLINE_S))
+        self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens, mode=lookup.mode,
+                                           deadline_s=deadline_s))
         self.stats["promised_tokens"] += num_external_tokens
         self._take_leases(request.request_id, chunks)
 

@@ -132,21 +132,27 @@ class RangeWorker:
         self._failed_from_chunk = {}
         if not meta.loads or self.layout is None:
             return
-        deadline = time.monotonic() + self.config.load_deadline_s
+        now = time.monotonic()
         self.last_loaded_tickets = []
         step = [r for r in meta.loads if r.mode != ASYNC]
         for req in meta.loads:
             if req.mode == ASYNC:
-                job = LoadJob(self, [req], deadline, ASYNC)
+                job = LoadJob(self, [req], now + self._deadline_s([req]), ASYNC)
                 job.start()
                 self._async_jobs[req.req_id] = (job, self._async_loader.submit(self._deliver_async, job))
         if step:
             sync = any(r.mode == SYNC for r in step) or self.deliver_before_forward or self.config.load_mode == SYNC
-            job = LoadJob(self, step, deadline, SYNC if sync else PIPELINED)
+            job = LoadJob(self, step, now + self._deadline_s(step), SYNC if sync else PIPELINED)
             job.start()
             self._step_job = job
             if sync:
                 job.deliver_through(len(self.layer_names) - 1)
+
+    def _deadline_s(self, reqs: list[RequestTransfer]) -> float:
+        """Seconds the loads may take: the longest deadline the cost model gave them, else ``load_deadline_s``."""
+        planned = [r.deadline_s for r in reqs if r.deadline_s is not None]
+        return min(self.config.load_deadline_s, max(planned)) if len(planned) == len(reqs) else \
+            self.config.load_deadline_s
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Return when this layer's loaded blocks of the step have landed (or failed: then they are reported).

@@ -72,10 +72,10 @@ def test_patched_direct_call_branch_reaches_the_layer_hooks(vllm_copy, tmp_path)
 
     # Unpatched: the fallback delivered every load before the forward, so nothing was read early.
     assert unpatched[7]["stats"].get("layers_read_before_load", 0) == 0
-    assert unpatched[7]["stats"]["failed_blocks"] == 0
+    assert unpatched[7]["stats"].get("failed_blocks", 0) == 0
     # Patched: loads are layer-pipelined, and every layer was waited for.
     assert patched[7]["stats"].get("layers_read_before_load", 0) == 0
-    assert patched[7]["stats"]["failed_blocks"] == 0
+    assert patched[7]["stats"].get("failed_blocks", 0) == 0
     for run in (unpatched, patched):
         loaded = run[6]["digests"]
         assert len(loaded) == 512 // MLA_BLOCK_SIZE
