@@ -161,3 +161,32 @@ def test_save_slowed_past_the_decode_deadline_is_recomputed_correctly(pd: PD) ->
     if pd.kind == "gqa":
         assert tokens == reference
     assert "announced tokens arrived within" in pd.decode.log_text()
+
+
+def test_decode_engine_killed_mid_replay_gives_clean_errors_and_the_proxy_stays_up(pd: PD) -> None:
+    """Runs last (it kills the module's decode engine): a replay through the proxy while the decode engine dies.
+    The requests it was serving or had not yet received end with clean errors in the report, the report says which
+    engine could not be read, and the proxy keeps answering (503 on /health: no decode engine left)."""
+    import threading
+
+    from range_connector.replay import ReplayRequest, run_replay
+
+    requests = [ReplayRequest(i, 0.4 * i, tuple(pd.prompts[i % 3][: 300 + 10 * i]), 48) for i in range(12)]
+    killer = threading.Timer(1.5, lambda: pd.decode.stop(timeout_s=0.5))
+    killer.start()
+    try:
+        report = run_replay(pd.proxy_url, requests, metrics_urls=[pd.decode.base_url], label="decode-killed",
+                            max_concurrency=4, request_timeout_s=120, progress=False, metrics_timeout_s=5)
+    finally:
+        killer.join()
+    failed = [r for r in report.results if r.error is not None]
+    done = [r for r in report.results if r.error is None]
+    assert failed, "the decode engine died: some requests must have failed"
+    assert all(len(r.error.splitlines()) == 1 and r.error.strip() for r in failed)
+    assert report.summary["num_errors"] == len(failed) and sum(report.summary["errors"].values()) == len(failed)
+    assert len(done) + len(failed) == len(requests)
+    health = httpx.get(f"{pd.proxy_url}/health", timeout=10)
+    assert health.status_code == 503  # up, and saying that no decode engine is healthy
+    again = httpx.post(f"{pd.proxy_url}/v1/completions", json={"prompt": pd.prompts[0][:50], "max_tokens": 2},
+                       timeout=30)
+    assert again.status_code in (502, 503) and "error" in again.json()
