@@ -87,8 +87,13 @@ class RangeConnector(KVConnectorBase_V1):
         group = compat.attention_group(kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         cp = compat.context_parallel(vllm_config, in_worker=role != KVConnectorRole.SCHEDULER)
-        config, plan = deployment_plan(RangeConfig.from_extra_config(extra), cp, group.block_size,
+        parsed = RangeConfig.from_extra_config(extra)
+        config, plan = deployment_plan(parsed, cp, group.block_size,
                                        num_shards_set=bool({"num_shards", "valkey_urls"} & set(extra)))
+        if config.load_mode != parsed.load_mode:
+            logger.warning("Range: load_mode %r becomes 'sync' with %d context-parallel ranks (they agree on what "
+                           "landed before the forward); the cost-model gate is off", parsed.load_mode,
+                           plan.num_writers)
         self.range_config = config
         self.shard_plan = plan
         self.namespace, self.namespace_fields = build_namespace(vllm_config, config, group, plan)
