@@ -31,14 +31,14 @@ from range_connector.worker import RangeWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-    from range_connector.pcp_worker import PcpWorkerRouter
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from range_connector.pcp_worker import PcpWorkerRouter
 
 logger = logging.getLogger("vllm." + __name__)
 
