@@ -7,7 +7,8 @@ The test process sends commands through a pipe; :meth:`Rank.step` runs one engin
 vLLM 0.32's worker calls them:
 
 * ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` ``_get_kv_connector_output``: bind the metadata (L77),
-  ``start_load_kv`` before the forward when a request loads synchronously (L83-85), the forward (L87, ``yield``),
+  ``start_load_kv`` before the forward when a request loads synchronously (L83-85), else after it (L89-90), the
+  forward (L87, ``yield``),
   ``wait_for_save`` (L91-92), ``get_block_ids_with_load_errors`` (L100), ``build_connector_worker_meta`` (L104);
 * ``vllm/model_executor/layers/attention/kv_transfer_utils.py`` ``maybe_transfer_kv_layer``, which wraps every
   attention layer (``attention.py`` L766, ``mla_attention.py`` L1463): ``wait_for_layer_load(layer_name)`` on entry
@@ -134,13 +135,18 @@ class _RankEngine:
         ``scheduled``: ``(block ids, first token, end token)`` of each request computed in the step."""
         t0 = time.monotonic()
         router = self.router                                        # bind_connector_metadata (mixin L77)
-        agreement = router.start_load_kv(meta)                      # start_load_kv (mixin L85)
+        # Every load is synchronous on a PCP rank, so a step has synchronous loads iff it loads: vLLM then starts
+        # them before the forward (mixin L82-85), otherwise after it (L89-90).
+        sync_loads = bool(meta.loads)
+        agreement = router.start_load_kv(meta) if sync_loads else None   # start_load_kv (mixin L85)
         exchanged = 0
         gen = torch.Generator().manual_seed(forward_seed)          # the same "attention output" on every replica
         for name in self.layers:                                    # the forward, layer by layer
             exchanged += router.wait_for_layer_load(name)           # wait_for_layer_load (L51)
             self._attention(name, scheduled, gen)                   # attention writes this step's KV of the layer
             # save_kv_layer (L57): Range saves in wait_for_save.
+        if not sync_loads:
+            agreement = router.start_load_kv(meta)                  # start_load_kv after the forward (mixin L90)
         router.wait_for_save(meta)                                  # wait_for_save (mixin L92)
         failed = router.get_block_ids_with_load_errors()            # get_block_ids_with_load_errors (mixin L100)
         worker_meta = router.build_connector_worker_meta()          # build_connector_worker_meta (mixin L104)
