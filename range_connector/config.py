@@ -39,7 +39,8 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "One `valkey://host:port` URL per shard. Empty: embedded servers are started and shared through "
         "`runtime_dir`.",
     ),
-    "num_shards": ("shards", "len(valkey_urls) or 1", "Number of disjoint slices of every chunk, one backend each."),
+    "num_shards": ("shards", "len(valkey_urls), else the context-parallel size, else 1",
+                   "Number of disjoint slices of every chunk, one backend each."),
     "chunk_tokens": (
         "tokens",
         "256 rounded up to block_size x num_shards",

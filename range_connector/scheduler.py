@@ -21,7 +21,7 @@ from range_connector.cost_model import Decision, layout_bytes_per_token
 from range_connector.errors import BackendError
 from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.namespace import ChunkHash, prefix_hash_chain, request_salt, tail_chunk_hash
-from range_connector.sharding import ShardPlan
+from range_connector.sharding import ShardPlan, common_stored_prefix
 from range_connector.tickets import Ticket, ticket_key
 
 if TYPE_CHECKING:
@@ -96,17 +96,19 @@ class RangeScheduler:
         layer_block_bytes: bytes of one block of one layer (tickets must match).
         can_load: the role loads (``kv_both``/``kv_consumer``).
         can_save: the role saves (``kv_both``/``kv_producer``).
+        plan: the deployment's shard plan (context-parallel sizes; default: ``num_shards`` shards, one writer).
     """
 
     def __init__(self, config: RangeConfig, namespace: bytes, block_size: int,
                  lookup_backends: list[Backend] | None, *, can_load: bool, can_save: bool,
-                 num_layers: int = 0, layer_block_bytes: int = 0, settings: dict[str, Any] | None = None) -> None:
+                 num_layers: int = 0, layer_block_bytes: int = 0, settings: dict[str, Any] | None = None,
+                 plan: ShardPlan | None = None) -> None:
         assert config.chunk_tokens is not None
         self.config = config
         self.namespace = namespace
         self.block_size = block_size
         self.chunk_tokens = config.chunk_tokens
-        self.plan = ShardPlan(self.chunk_tokens // block_size, config.num_shards)
+        self.plan = plan or ShardPlan(self.chunk_tokens // block_size, config.num_shards)
         self.lookup_backends = lookup_backends
         self.can_load = can_load
         self.can_save = can_save
@@ -201,8 +203,7 @@ class RangeScheduler:
             self._lookup_down_until = time.monotonic() + self.config.backend_retry_s
             logger.warning("Range lookup failed; lookups are misses for %.1f s: %s", self.config.backend_retry_s, exc)
             return []
-        n = min(len(t) for t in per_shard)
-        return [tuple(shard[i] for shard in per_shard) for i in range(n)]
+        return common_stored_prefix(per_shard)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """See ``KVConnectorBase_V1.get_num_new_matched_tokens``; side-effect free apart from caching the lookup.

@@ -36,12 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from range_connector.backends.base import Backend, StripeWrite
+from range_connector.backends.base import Backend
 from range_connector.errors import ConfigError
 from range_connector.namespace import SHARD_RULE
-from range_connector.tickets import ticket_key_for_shard
 
 if TYPE_CHECKING:
+    from range_connector.compat import ContextParallel
     from range_connector.config import RangeConfig
 
 T = TypeVar("T")
@@ -74,6 +74,50 @@ def check_shard_count(num_shards: int, num_writers: int) -> None:
     if num_shards < 1 or num_shards % num_writers:
         raise ConfigError("num_shards", f"{num_shards} is not a positive multiple of the context-parallel size "
                                         f"{num_writers}: each rank writes whole shards")
+
+
+def deployment_plan(config: RangeConfig, cp: ContextParallel, block_size: int,
+                    num_shards_set: bool) -> tuple[RangeConfig, ShardPlan]:
+    """Resolve the config for this engine's context parallelism and build its shard plan.
+
+    ``num_shards`` defaults to the writer count W (the PCP size P, or the DCP size D when DCP splits the cache)
+    when neither ``num_shards`` nor ``valkey_urls`` is set; otherwise it must be a multiple of W. Under DCP the
+    scheduler's block (and the chunk's unit) is ``block_size * D`` tokens (vLLM 0.32
+    ``v1/core/single_type_kv_cache_manager.py`` L108). With W > 1 loads are synchronous (``load_mode`` "sync"):
+    the ranks agree on what landed in ``start_load_kv``, before the forward (:mod:`range_connector.pcp`).
+
+    Args:
+        config: the parsed config (``chunk_tokens`` may be unset).
+        cp: the engine's context-parallel sizes (:func:`range_connector.compat.context_parallel`).
+        block_size: the KV-cache spec's block size (tokens per physical block).
+        num_shards_set: the user named ``num_shards`` or ``valkey_urls``.
+
+    Returns:
+        ``(resolved config, plan)``.
+
+    Raises:
+        ConfigError: ``num_shards`` is not a positive multiple of W, ``chunk_tokens`` does not fit, the DRAM tier
+            is asked to serve several ranks (its index cannot span processes), or the sizes are not served.
+    """
+    num_writers = cp.dcp_size if cp.dcp_size > 1 else cp.pcp_size
+    if num_writers > 1:
+        if config.backend == "memory":
+            raise ConfigError("backend", f"the in-process DRAM tier cannot serve {num_writers} context-parallel "
+                                         "ranks; use valkey or file")
+        if not num_shards_set:
+            config = dataclasses.replace(config, num_shards=num_writers)
+        check_shard_count(config.num_shards, num_writers)
+        if config.load_mode != "sync":
+            config = dataclasses.replace(config, load_mode="sync")
+    scheduler_block = block_size * cp.dcp_size
+    config = config.resolve(scheduler_block)
+    assert config.chunk_tokens is not None
+    try:
+        plan = ShardPlan(config.chunk_tokens // scheduler_block, config.num_shards, cp.pcp_size, cp.dcp_size,
+                         cp.cp_interleave_tokens)
+    except ValueError as exc:
+        raise ConfigError("num_shards", str(exc)) from exc
+    return config, plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,11 +303,12 @@ class RankSlice:
     """What one writer rank holds of every chunk, seen as a Range worker of its own (the *rank view*).
 
     A rank's shards ``r, r + W, ...`` are, to that rank, a chunk of ``local_plan.blocks_per_chunk`` blocks split
-    over ``S / W`` local shards by the same round-robin rule. So an unmodified :class:`~range_connector.worker.
-    RangeWorker` built with :meth:`config`, :meth:`backends` and fed :meth:`metadata` saves exactly this rank's
-    shards (bytes and tickets identical to what a single writer of all S shards would store) and loads exactly
-    them; the other shards' blocks then arrive through :mod:`range_connector.pcp` (replicas) or are not needed
-    (DCP). Chunk indices, hashes and block ids are kept; block positions are translated.
+    over ``S / W`` local shards by the same round-robin rule. So a :class:`~range_connector.worker.RangeWorker`
+    built with :meth:`config`, :meth:`backends` and ``shard_idxs`` = :attr:`shard_idxs` (its ticket keys name the
+    global shards) and fed :meth:`metadata` saves exactly this rank's shards (bytes and tickets identical to what
+    a single writer of all S shards would store) and loads exactly them; the other shards' blocks then arrive
+    through :mod:`range_connector.pcp` (replicas) or are not needed (DCP). Chunk indices, hashes and block ids
+    are kept; block positions are translated.
 
     Local position ``q`` of global position ``p`` (replicas): shard ``s = r + W * i`` holds ``p = j * S + s`` at
     slot ``j``; its local shard ``i`` holds local ``q = j * (S / W) + i`` at the same slot. Under DCP every
@@ -316,15 +361,16 @@ class RankSlice:
                                    if config.valkey_urls else ())
 
     def backends(self, backends_by_shard: Sequence[Backend]) -> list[Backend]:
-        """The rank view's backends: this rank's shards, publishing tickets under their global shard index.
+        """This rank's backends, in :attr:`shard_idxs` order (its worker is built with ``shard_idxs``, so tickets
+        are published under their global shard index; see :class:`~range_connector.worker.RangeWorker`).
 
         Args:
             backends_by_shard: ``[num_shards]`` (entries of other ranks' shards are not touched and may be
                 ``None``), or ``[S / W]`` already this rank's.
         """
-        mine = (list(backends_by_shard) if len(backends_by_shard) == self.plan.shards_per_writer
-                else [backends_by_shard[s] for s in self.shard_idxs])
-        return [b if i == s else GlobalShardBackend(b, i, s) for i, (b, s) in enumerate(zip(mine, self.shard_idxs))]
+        if len(backends_by_shard) == self.plan.shards_per_writer:
+            return list(backends_by_shard)
+        return [backends_by_shard[s] for s in self.shard_idxs]
 
     def chunk(self, chunk: Any) -> Any | None:
         """A :class:`~range_connector.metadata.ChunkTransfer` restricted to this rank's blocks, in local positions
@@ -347,50 +393,3 @@ class RankSlice:
     def metadata(self, meta: Any) -> Any:
         """The step's :class:`~range_connector.metadata.RangeConnectorMetadata` as this rank's worker sees it."""
         return type(meta)(loads=[self.request(r) for r in meta.loads], saves=[self.request(r) for r in meta.saves])
-
-
-class GlobalShardBackend(Backend):
-    """A shard's backend inside a rank view: local shard ``local_idx`` publishes and deletes tickets under global
-    shard ``shard_idx`` (ticket keys name the shard; see :func:`range_connector.tickets.ticket_key`). Every other
-    call is delegated unchanged, and the counters are the inner backend's."""
-
-    def __init__(self, inner: Backend, local_idx: int, shard_idx: int) -> None:
-        super().__init__(inner.name, inner.max_value_bytes, inner.capacity_bytes)
-        self.inner, self.local_idx, self.shard_idx = inner, local_idx, shard_idx
-        self.counters = inner.counters
-        self.is_shared = inner.is_shared
-        self.supports_views = inner.supports_views
-
-    def _key(self, key: bytes) -> bytes:
-        return ticket_key_for_shard(key, self.local_idx, self.shard_idx)
-
-    def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self.inner.get_tickets([self._key(k) for k in keys])
-
-    def write_stripe(self, write: StripeWrite) -> bool:
-        tickets = [(self._key(k), v) for k, v in write.tickets]
-        return self.inner.write_stripe(dataclasses.replace(write, tickets=tickets))
-
-    def read_ranges(self, reads):  # type: ignore[no-untyped-def]
-        return self.inner.read_ranges(reads)
-
-    def view_stripes(self, stripe_ids):  # type: ignore[no-untyped-def]
-        return self.inner.view_stripes(stripe_ids)
-
-    def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> None:
-        self.inner.lease(stripe_ids, ttl_s)
-
-    def release(self, stripe_ids: Sequence[str]) -> None:
-        self.inner.release(stripe_ids)
-
-    def delete_tickets(self, keys: Sequence[bytes]) -> None:
-        self.inner.delete_tickets([self._key(k) for k in keys])
-
-    def used_bytes(self) -> int:
-        return self.inner.used_bytes()
-
-    def ping(self) -> None:
-        self.inner.ping()
-
-    def close(self) -> None:
-        self.inner.close()

@@ -23,20 +23,6 @@ def ticket_key(chunk_hash: ChunkHash, shard_idx: int, tp_rank: int = 0) -> bytes
     return b"rc2:t:%s:s%d:r%d" % (chunk_hash.hex().encode(), shard_idx, tp_rank)
 
 
-def ticket_key_for_shard(key: bytes, from_shard_idx: int, to_shard_idx: int) -> bytes:
-    """The key of the same chunk's ticket on another shard: ``key`` made by :func:`ticket_key` for shard
-    ``from_shard_idx``, rewritten for ``to_shard_idx``.
-
-    Raises:
-        ValueError: ``key`` is not a ticket key of shard ``from_shard_idx``.
-    """
-    parts = key.split(b":")
-    if len(parts) != 5 or parts[:2] != [b"rc2", b"t"] or parts[3] != b"s%d" % from_shard_idx:
-        raise ValueError(f"{key!r} is not a ticket key of shard {from_shard_idx}")
-    parts[3] = b"s%d" % to_shard_idx
-    return b":".join(parts)
-
-
 @dataclass(frozen=True, slots=True)
 class Ticket:
     """Where one shard's slice of one chunk lives.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from range_connector.backends.base import Backend
 from range_connector.backends.memory import MemoryBackend
@@ -31,17 +32,22 @@ def resolve_valkey_urls(config: RangeConfig) -> list[str]:
         raise ConfigError("runtime_dir", f"cannot start embedded Valkey servers: {exc}") from exc
 
 
-def open_shard_backends(config: RangeConfig) -> list[Backend]:
+def open_shard_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = None) -> list[Backend]:
     """Open one backend per shard, slowed down by the latency wrapper when a ``tier_*`` key asks for it.
 
+    Args:
+        config: the resolved config.
+        shard_idxs: open only these shards (a context-parallel rank opens its own: ``r, r + W, ...``); default all.
+
     Returns:
-        ``[num_shards]`` backends; for ``backend = "memory"`` the same in-process instance for every shard.
+        ``[len(shard_idxs)]`` (default ``[num_shards]``) backends, in ``shard_idxs`` order; for ``backend =
+        "memory"`` the same in-process instance for every shard.
 
     Raises:
         ConfigError: a server does not answer at start-up (names ``valkey_urls`` and the URL), or the
             ``tier_control_file`` is invalid.
     """
-    backends = _open_backends(config)
+    backends = _open_backends(config, list(range(config.num_shards)) if shard_idxs is None else list(shard_idxs))
     if not config.slows_tier:
         return backends
     from range_connector.backends.latency import LatencyControl, TierLatency, slow_down
@@ -58,9 +64,9 @@ def open_shard_backends(config: RangeConfig) -> list[Backend]:
     return slow_down(backends, control, timeout_s=config.backend_timeout_s)
 
 
-def _open_backends(config: RangeConfig) -> list[Backend]:
+def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
     if config.backend == "memory":
-        return [MemoryBackend(config.memory_capacity_bytes or None)] * config.num_shards
+        return [MemoryBackend(config.memory_capacity_bytes or None)] * len(shard_idxs)
     if config.backend == "file":
         import os
 
@@ -70,13 +76,14 @@ def _open_backends(config: RangeConfig) -> list[Backend]:
         try:
             return [FileBackend(os.path.join(os.path.expanduser(root), f"shard-{s}"),
                                 config.shard_capacity_bytes or None, timeout_s=config.backend_timeout_s)
-                    for s in range(config.num_shards)]
+                    for s in shard_idxs]
         except OSError as exc:
             raise ConfigError("file_dir", f"{root}: {exc}") from exc
     from range_connector.backends.valkey import ValkeyBackend
 
     backends: list[Backend] = []
-    for url in resolve_valkey_urls(config):
+    urls = resolve_valkey_urls(config)
+    for url in (urls[s] for s in shard_idxs):
         try:
             backends.append(ValkeyBackend(url, timeout_s=config.backend_timeout_s,
                                           capacity_bytes=config.shard_capacity_bytes or None))

@@ -57,10 +57,13 @@ class RangeWorker:
         num_blocks: blocks per layer tensor.
         backends: ``[num_shards]`` backends.
         tp_rank: tensor-parallel rank (part of every ticket key).
+        shard_idxs: ``[len(backends)]`` the global shard index of each backend, used in ticket keys (a PCP rank's
+            worker serves shards ``r, r + P, ...``: :class:`~range_connector.sharding.RankSlice`); default
+            ``0 .. len(backends) - 1``.
     """
 
     def __init__(self, config: RangeConfig, block_size: int, layer_names: tuple[str, ...], num_blocks: int,
-                 backends: list[Backend], tp_rank: int = 0) -> None:
+                 backends: list[Backend], tp_rank: int = 0, shard_idxs: tuple[int, ...] | None = None) -> None:
         assert config.chunk_tokens is not None
         self.config = config
         self.block_size = block_size
@@ -69,6 +72,9 @@ class RangeWorker:
         self.plan = ShardPlan(config.chunk_tokens // block_size, config.num_shards)
         self.backends = backends
         self.tp_rank = tp_rank
+        self.shard_idxs = tuple(range(len(backends))) if shard_idxs is None else tuple(shard_idxs)
+        if len(self.shard_idxs) != len(backends):
+            raise ValueError(f"shard_idxs {self.shard_idxs} does not name one shard per backend ({len(backends)})")
         self.layout: KVLayout | None = None
         self._rows: list[torch.Tensor] = []
         self._layer_index = {name: i for i, name in enumerate(layer_names)}
@@ -272,7 +278,8 @@ class RangeWorker:
         for chunk_hash, shards, dst_ids in done:
             loaded += len(dst_ids)
             self.loaded_block_log.extend(dst_ids)
-            self.last_loaded_tickets.extend((s, ticket_key(chunk_hash, s, self.tp_rank)) for s in shards)
+            self.last_loaded_tickets.extend((s, ticket_key(chunk_hash, self.shard_idxs[s], self.tp_rank))
+                                            for s in shards)
         for req in reqs:
             if req.req_id in failed_from:
                 self._fail_from(req, failed_from[req.req_id])
@@ -317,7 +324,7 @@ class RangeWorker:
         """Forget a chunk whose bytes proved bad or gone, so that it is not offered again."""
         self._dropped.append(chunk_hash)
         try:
-            self.backends[shard_idx].delete_tickets([ticket_key(chunk_hash, shard_idx, self.tp_rank)])
+            self.backends[shard_idx].delete_tickets([ticket_key(chunk_hash, self.shard_idxs[shard_idx], self.tp_rank)])
         except BackendError as exc:
             logger.warning("Range: could not delete a bad ticket: %s", exc)
 
@@ -405,7 +412,9 @@ class RangeWorker:
             t = Ticket(stripe_id, c * bps, bps, stripe_blocks, len(self.layer_names), layout.num_planes,
                        layout.row_bytes, sums, stripe_sums)
             tickets.append((chunk_hash, t))
-        write = StripeWrite(stripe_id, views, [(ticket_key(h, s, self.tp_rank), t.encode()) for h, t in tickets])
+        shard_idx = self.shard_idxs[s]
+        write = StripeWrite(stripe_id, views,
+                            [(ticket_key(h, shard_idx, self.tp_rank), t.encode()) for h, t in tickets])
         try:
             stored = backend.write_stripe(write)
         except (BackendError, ValueError) as exc:

@@ -56,7 +56,7 @@ def test_lookup_on_real_servers_is_the_longest_prefix_on_every_shard(
     for rank in range(num_shards):  # every rank writes its own shard, through its own connection
         view = RankSlice(plan, rank)
         worker = RangeWorker(view.config(config, BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
-                             view.backends(connect([urls[s] for s in view.shard_idxs])))
+                             view.backends(connect([urls[s] for s in view.shard_idxs])), shard_idxs=view.shard_idxs)
         worker.register_kv_caches(kv)
         worker.save(view.metadata(saves))
         worker.close()

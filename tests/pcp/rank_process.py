@@ -7,17 +7,17 @@ The test process sends commands through a pipe; :meth:`Rank.step` runs one engin
 vLLM 0.32's worker calls them:
 
 * ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` ``_get_kv_connector_output``: bind the metadata (L77),
-  ``start_load_kv`` before the forward when a request loads synchronously (L83-85), the forward (L87, ``yield``),
+  ``start_load_kv`` before the forward when a request loads synchronously (L83-85), else after it (L89-90), the
+  forward (L87, ``yield``),
   ``wait_for_save`` (L91-92), ``get_block_ids_with_load_errors`` (L100), ``build_connector_worker_meta`` (L104);
 * ``vllm/model_executor/layers/attention/kv_transfer_utils.py`` ``maybe_transfer_kv_layer``, which wraps every
   attention layer (``attention.py`` L766, ``mla_attention.py`` L1463): ``wait_for_layer_load(layer_name)`` on entry
   (L51), the attention (which writes this step's KV of the layer), ``save_kv_layer`` on exit (L57; Range saves in
   ``wait_for_save`` instead, so it does nothing).
 
-What the connector facade will do on a PCP rank is exactly what :meth:`Rank.step` calls: ``RankSlice.metadata`` and
-``RangeWorker.start_load`` then ``PcpExchange.agree`` in ``start_load_kv``; ``PcpExchange.exchange_layer`` in
-``wait_for_layer_load``; ``RangeWorker.save(PcpExchange.without_failed_saves(...))`` in ``wait_for_save``;
-``PcpExchange.failed_block_ids`` and ``PcpExchange.worker_metadata`` in the last two hooks.
+Each hook is a call of :class:`~range_connector.pcp_worker.PcpWorkerRouter`, the class the connector facade
+delegates to on a PCP rank (``RangeConnector`` builds it when the writer count is above 1), so the harness runs
+the product's worker-side routing; only vLLM's model runner around it is replaced.
 """
 
 from __future__ import annotations
@@ -110,55 +110,49 @@ class _RankEngine:
                  collective_timeout_s: float) -> None:
         from range_connector.backends.valkey import ValkeyBackend
         from range_connector.config import RangeConfig
-        from range_connector.pcp import PcpExchange
-        from range_connector.sharding import RankSlice, ShardPlan
-        from range_connector.worker import RangeWorker
+        from range_connector.pcp_worker import PcpWorkerRouter
+        from range_connector.sharding import ShardPlan, shards_of_rank
         from tests.unit.test_scheduler_worker import BLOCK, LAYERS, NUM_BLOCKS, make_kv
 
         num_shards = len(urls)
         self.pcp_size, self.kind = pcp_size, kind
         self.block_size, self.layers, self.num_blocks = BLOCK, LAYERS, NUM_BLOCKS
         self.plan = ShardPlan(chunk_tokens // BLOCK, num_shards, pcp_size=pcp_size)
-        self.slice = RankSlice(self.plan, rank)
         config = RangeConfig(backend="valkey", valkey_urls=tuple(urls), num_shards=num_shards,
                              chunk_tokens=chunk_tokens, backend_timeout_s=backend_timeout_s,
-                             load_deadline_s=load_deadline_s, backend_retry_s=0.5,
-                             # the ranks agree on failures in start_load_kv, before the forward: the local load
-                             # must be complete by then
-                             load_mode="sync").resolve(BLOCK)
-        self.load_deadline_s = load_deadline_s
+                             load_deadline_s=load_deadline_s, backend_retry_s=0.5).resolve(BLOCK)
         own = [ValkeyBackend(urls[s], timeout_s=backend_timeout_s, capacity_bytes=capacities[s])
-               for s in self.slice.shard_idxs]
-        self.worker = RangeWorker(self.slice.config(config, BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
-                                  self.slice.backends(own))
+               for s in shards_of_rank(rank, pcp_size, num_shards)]
+        # The connector's own worker-side router (what RangeConnector runs on a PCP rank), over this rank's servers.
+        self.router = PcpWorkerRouter(config, self.plan, rank, group, BLOCK, LAYERS, NUM_BLOCKS, own,
+                                      collective_timeout_s=collective_timeout_s)
+        self.worker, self.exchange = self.router.worker, self.router.exchange
         self.kv = make_kv(kind, seed)
-        self.worker.register_kv_caches(self.kv)
-        self.exchange = PcpExchange(self.plan, rank, group, collective_timeout_s)
-        self.collective_timeout_s = collective_timeout_s
+        self.router.register_kv_caches(self.kv)
 
     def step(self, meta: Any, scheduled: list[tuple[list[int], int, int]], forward_seed: int) -> dict[str, Any]:
-        """One engine step's worker hooks in vLLM's order (module docstring). ``scheduled``: ``(block ids, first
-        token, end token)`` of each request computed in the step."""
+        """One engine step's worker hooks in vLLM's order (module docstring), through the connector's router.
+        ``scheduled``: ``(block ids, first token, end token)`` of each request computed in the step."""
         t0 = time.monotonic()
-        rank_meta = self.slice.metadata(meta)                       # bind_connector_metadata (mixin L77)
-        self.worker.start_load(rank_meta)                           # start_load_kv (mixin L85) ...
-        load_s = time.monotonic() - t0
-        local_failed = self.worker.take_failed_block_ids()
-        # ... which ends with the agreement: waits for a rank still inside its deadline-bounded load, then a margin.
-        agree_s = max(0.0, self.load_deadline_s - (time.monotonic() - t0)) + self.collective_timeout_s
-        agreement = self.exchange.agree(meta.loads, local_failed, timeout_s=agree_s)
+        router = self.router                                        # bind_connector_metadata (mixin L77)
+        # Every load is synchronous on a PCP rank, so a step has synchronous loads iff it loads: vLLM then starts
+        # them before the forward (mixin L82-85), otherwise after it (L89-90).
+        sync_loads = bool(meta.loads)
+        agreement = router.start_load_kv(meta) if sync_loads else None   # start_load_kv (mixin L85)
         exchanged = 0
         gen = torch.Generator().manual_seed(forward_seed)          # the same "attention output" on every replica
         for name in self.layers:                                    # the forward, layer by layer
-            exchanged += self.exchange.exchange_layer(self.kv[name], self.num_blocks)   # wait_for_layer_load (L51)
+            exchanged += router.wait_for_layer_load(name)           # wait_for_layer_load (L51)
             self._attention(name, scheduled, gen)                   # attention writes this step's KV of the layer
             # save_kv_layer (L57): Range saves in wait_for_save.
-        self.worker.save(self.exchange.without_failed_saves(rank_meta))   # wait_for_save (mixin L92)
-        failed = self.exchange.failed_block_ids()                  # get_block_ids_with_load_errors (mixin L100)
-        worker_meta = self.exchange.worker_metadata(self.worker.build_worker_meta())  # (mixin L104)
-        return {"failed": sorted(failed), "local_failed": sorted(local_failed), "worker_meta": worker_meta,
-                "load_s": load_s, "step_s": time.monotonic() - t0, "exchanged_blocks": exchanged,
-                "consistent": agreement.consistent, "broken": self.exchange.broken,
+        if not sync_loads:
+            agreement = router.start_load_kv(meta)                  # start_load_kv after the forward (mixin L90)
+        router.wait_for_save(meta)                                  # wait_for_save (mixin L92)
+        failed = router.get_block_ids_with_load_errors()            # get_block_ids_with_load_errors (mixin L100)
+        worker_meta = router.build_connector_worker_meta()          # build_connector_worker_meta (mixin L104)
+        return {"failed": sorted(failed), "local_failed": sorted(router.last_local_failed),
+                "worker_meta": worker_meta, "load_s": router.last_load_s, "step_s": time.monotonic() - t0,
+                "exchanged_blocks": exchanged, "consistent": agreement.consistent, "broken": self.exchange.broken,
                 "loaded_blocks": self.worker.take_loaded_block_log(), "stats": dict(self.worker.stats)}
 
     def _attention(self, name: str, scheduled: list[tuple[list[int], int, int]], gen: torch.Generator) -> None:
@@ -177,4 +171,4 @@ class _RankEngine:
                         for t in self.kv.values())
 
     def close(self) -> None:
-        self.worker.close()
+        self.router.close()

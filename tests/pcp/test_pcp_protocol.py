@@ -152,6 +152,27 @@ def test_every_rank_restores_byte_identical_kv_and_a_pcp1_reader_restores_the_sa
         e.close()
 
 
+def test_a_step_without_loads_after_a_load_step_exchanges_nothing(pool: RankPool, servers: ValkeyServers) -> None:
+    """vLLM starts a step's loads after the forward when none is synchronous (mixin L82-90): that forward must not
+    replay the previous step's exchange into blocks (which the scheduler may have handed to another request)."""
+    urls = list(servers.urls[:2])
+    prompt = prompt_tokens(4 * CHUNK + 5, seed=2500)
+    a, _, _ = produce(pool, 2, urls, prompt, "stale-save")
+    b, ext, _, results = consume(pool, "B-stale", 2, urls, prompt, "stale-load")
+    assert ext == 4 * CHUNK and all(r["exchanged_blocks"] > 0 for r in results)
+
+    fresh = prompt_tokens(2 * CHUNK + 3, seed=2501)  # stored nowhere: the step loads nothing
+    assert b.sched.admit(FakeRequest("stale-fresh", fresh)) == 0
+    meta, results = b.step()
+
+    assert not meta.loads
+    assert [(r["exchanged_blocks"], r["failed"]) for r in results] == [(0, []), (0, [])]
+    replicas = b.blocks(list(b.sched.running["stale-fresh"].block_ids))
+    assert replicas[0] == replicas[1]
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize(("pcp_size", "evicted_shard"), [(2, 1), (4, 1), (4, 3)])
 def test_evicting_one_chunk_slice_on_a_nonzero_shard_shortens_the_hit_on_every_rank(
         pool: RankPool, servers: ValkeyServers, pcp_size: int, evicted_shard: int) -> None:

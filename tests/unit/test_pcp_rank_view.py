@@ -81,7 +81,7 @@ def test_rank_views_store_what_one_writer_of_every_shard_stores(pcp_size: int, n
     for r in range(pcp_size):
         view = RankSlice(plan, r)
         rw = RangeWorker(view.config(config(num_shards, chunk_tokens), BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
-                         view.backends(ranked))
+                         view.backends(ranked), shard_idxs=view.shard_idxs)
         rw.register_kv_caches(kv)
         rw.save(view.metadata(meta))
         writes_per_rank.append(rw.stats["saved_stripes"])
@@ -126,7 +126,7 @@ def test_a_rank_view_loads_exactly_its_own_blocks(pcp_size: int, num_shards: int
         view = RankSlice(plan, r)
         dst = make_kv("dense", seed=100 + r)
         rw = RangeWorker(view.config(config(num_shards, chunk_tokens), BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
-                         view.backends(backends))
+                         view.backends(backends), shard_idxs=view.shard_idxs)
         rw.register_kv_caches(dst)
         rw.start_load(view.metadata(meta))
         assert rw.take_failed_block_ids() == set()
