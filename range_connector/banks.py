@@ -63,17 +63,21 @@ class BankPool:
         """
         if not self._slots.acquire(timeout=max(0.0, timeout_s)):
             raise BackendTimeoutError(f"no transfer bank free within {timeout_s:.3f} s")
-        with self._lock:
-            self.in_use += 1
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
-            else:
-                if self._free:  # drop the largest too-small one: the pool never holds more than num_banks
-                    self._free.remove(max(self._free, key=lambda b: b.numel()))
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-                self.allocations += 1
+        try:
+            with self._lock:
+                # (by position: ``list.remove`` would compare tensors with ``==``, elementwise)
+                fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+                if fits:
+                    buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                else:
+                    if self._free:  # drop the largest too-small one: the pool never holds more than num_banks
+                        self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+                    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+                    self.allocations += 1
+                self.in_use += 1
+        except BaseException:
+            self._slots.release()  # (an allocation that failed must not cost a slot for ever)
+            raise
         return TransferBank(buf)
 
     def release(self, bank: TransferBank) -> None:

@@ -350,3 +350,21 @@ def test_auto_mode_takes_a_hit_on_a_fast_tier_refuses_it_on_a_slow_one_and_learn
     assert b.sched.get_num_new_matched_tokens(FakeRequest("B-2", prompt), 0) == (0, False)
     a.close()
     b.close()
+
+
+@pytest.mark.timeout(30)
+def test_bank_pool_reuses_buffers_of_different_sizes_without_comparing_tensors() -> None:
+    """Banks of several sizes in the free list (several asynchronous loads at once): taking one that is not first
+    in the list must not compare tensors elementwise (list.remove would), and no slot may leak."""
+    from range_connector.banks import BankPool
+
+    pool = BankPool(3)
+    banks = [pool.acquire(n, 1.0) for n in (1 << 20, 1 << 19, 1 << 18)]
+    for b in banks:
+        pool.release(b)
+    for _ in range(5):
+        got = [pool.acquire(n, 1.0) for n in (1 << 18, 1 << 19, 1 << 20)]
+        assert [g.buffer.numel() for g in got] == [1 << 18, 1 << 19, 1 << 20]
+        for g in got:
+            pool.release(g)
+    assert pool.in_use == 0 and pool.allocations == 3
