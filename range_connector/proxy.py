@@ -128,7 +128,8 @@ class ProxyConfig:
             if not getattr(self, key) > 0:
                 raise ConfigError(key, f"{getattr(self, key)} is not a positive number of seconds")
 
-def _prefill_body(body: Mapping[str, Any], is_chat: bool) -> dict[str, Any]:
+def _prefill_body(body: Mapping[str, Any], is_chat: bool,
+                  expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
     prefill = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
     prefill["max_tokens"] = 1
     if is_chat:
@@ -137,6 +138,8 @@ def _prefill_body(body: Mapping[str, Any], is_chat: bool) -> dict[str, Any]:
     client_params = body.get("kv_transfer_params")
     prefill["kv_transfer_params"] = {**(client_params if isinstance(client_params, Mapping) else {}),
                                      "do_remote_decode": True}
+    if expect:  # a decode engine's settings: the producer logs a mismatch too
+        prefill["kv_transfer_params"]["range_expect"] = dict(expect)
     return prefill
 
 
@@ -281,11 +284,18 @@ class ProxyServer:
             headers["X-Request-Id"] = request_id
         return headers
 
+    def _known_decode_settings(self) -> dict[str, Any] | None:
+        """Range settings of the first healthy decode engine that has described itself, if any."""
+        for engine in self.pool.engines[EngineKind.DECODE]:
+            if engine.healthy and engine.settings:
+                return engine.settings
+        return None
+
     async def _prefill(self, body: dict[str, Any], path: str, is_chat: bool,
                        headers: dict[str, str]) -> tuple[dict[str, Any] | None, Engine]:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
         call = self._forward.call(EngineKind.PREFILL, self.pool.ranked(EngineKind.PREFILL), "POST", path,
-                                  _prefill_body(body, is_chat), headers, timeout)
+                                  _prefill_body(body, is_chat, self._known_decode_settings()), headers, timeout)
         async with call as (engine, response):
             data = await self._forward.read_answer(engine, response)
         try:

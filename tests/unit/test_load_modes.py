@@ -368,3 +368,16 @@ def test_bank_pool_reuses_buffers_of_different_sizes_without_comparing_tensors()
         for g in got:
             pool.release(g)
     assert pool.in_use == 0 and pool.allocations == 3
+
+
+@pytest.mark.timeout(30)
+def test_producer_names_a_consumer_whose_settings_differ(caplog) -> None:
+    inner = shard_backends(1, 1)
+    p = Engine(inner, can_load=False, can_save=True, seed=82)
+    theirs = {**p.sched.settings, "num_shards": 2}
+    req = _pd_request("P-0", prompt_tokens(150, seed=83), {"do_remote_decode": True, "range_expect": theirs})
+    p.admit(req)
+    p.step()
+    assert p.sched.request_finished(req, list(p.running["P-0"].block_ids))[1]["range"]["num_tokens"] == 150
+    assert p.sched.stats["settings_mismatches"] == 1 and "num_shards: 2 != 1" in caplog.text
+    p.close()

@@ -78,8 +78,12 @@ def test_prefill_gets_one_token_and_the_marker_then_decode_gets_the_returned_par
 
     [(prefill_path, prefill_body)] = stack.prefills[0].requests
     assert prefill_path == "/v1/completions"
+    # The decode engine's settings, once the proxy knows them, go along so that the producer can name a mismatch.
+    params = prefill_body.pop("kv_transfer_params")
+    assert params.pop("range_expect", RANGE_SETTINGS) == RANGE_SETTINGS
+    assert params == {"do_remote_decode": True}
     assert prefill_body == {**{k: v for k, v in COMPLETION.items() if k != "min_tokens"}, "max_tokens": 1,
-                            "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+                            "stream": False}
     [(decode_path, decode_body)] = stack.decodes[0].requests
     returned = {"chain_head": "head-p0", "num_tokens": 42, "range": {"settings": RANGE_SETTINGS}}
     assert decode_path == "/v1/completions"
@@ -115,7 +119,8 @@ def test_chat_completions_streaming_and_not(make_stack) -> None:
     for _, prefill_body in stack.prefills[0].requests:
         assert prefill_body["max_tokens"] == 1 and prefill_body["max_completion_tokens"] == 1
         assert prefill_body["stream"] is False and prefill_body["messages"] == CHAT["messages"]
-        assert prefill_body["kv_transfer_params"] == {"do_remote_decode": True}
+        assert {k: v for k, v in prefill_body["kv_transfer_params"].items() if k != "range_expect"} == {
+            "do_remote_decode": True}
     for (_, decode_body), stream in zip(stack.decodes[0].requests, (False, True), strict=True):
         assert decode_body["max_completion_tokens"] == 5 and "max_tokens" not in decode_body
         assert decode_body.get("stream", False) is stream
