@@ -64,9 +64,14 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from range_connector.launch import ServerProcess, complete, connector_config, free_port
+
+if TYPE_CHECKING:
+    from range_connector.replay import ReplayReport, ReplayRequest
+    from range_connector.replay_metrics import EngineCounts
+    from range_connector.traces import Trace
 
 __all__ = ["decode_engine_view", "load_trace", "main"]
 
@@ -146,7 +151,8 @@ class ProxyProcess:
         """
         import httpx
 
-        assert self.process is not None
+        if self.process is None:
+            raise RuntimeError("wait_ready() before the proxy was started")
         deadline_s = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
@@ -173,7 +179,7 @@ class ProxyProcess:
 
 
 def load_trace(trace_path: str | None, *, count: int | None, token_scale: float | None,
-               duration_s: float, max_model_len: int = MAX_MODEL_LEN_TOKENS) -> Any:
+               duration_s: float, max_model_len: int = MAX_MODEL_LEN_TOKENS) -> Trace:
     """The demo's trace, sliced and scaled (every transform is recorded in ``Trace.transforms``).
 
     Args:
@@ -208,7 +214,7 @@ def load_trace(trace_path: str | None, *, count: int | None, token_scale: float 
                          token_scale=token_scale or TRACE_TOKEN_SCALE, max_model_len=max_model_len)
 
 
-def decode_engine_view(engine: Any, decode_url: str) -> Any:
+def decode_engine_view(engine: EngineCounts | None, decode_url: str) -> EngineCounts | None:
     """The engine counts of a P/D replay as the decode engine saw them.
 
     vLLM counts a P/D prompt on both engines, so sums over both halve every share. This keeps the decode engine's
@@ -245,7 +251,8 @@ def _engine(model_dir: Path, run_dir: Path, name: str, core: str, kv_cache_gib: 
                          log_path=run_dir / f"{name}.log")
 
 
-def _replay(url: str, requests: list, trace: Any, label: str, metrics_urls: list[str], prime: list[int]) -> Any:
+def _replay(url: str, requests: list[ReplayRequest], trace: Trace, label: str, metrics_urls: list[str],
+            prime: list[int]) -> ReplayReport:
     from range_connector.replay import run_replay
 
     complete(url, prompt_token_ids=prime, max_tokens=2, timeout_s=REQUEST_TIMEOUT_S)  # one-off first-request costs
@@ -254,7 +261,8 @@ def _replay(url: str, requests: list, trace: Any, label: str, metrics_urls: list
                       request_timeout_s=REQUEST_TIMEOUT_S, progress=True)
 
 
-def run_disaggregated(model_dir: Path, run_dir: Path, requests: list, trace: Any, prime: list[int]) -> Any:
+def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
+                      prime: list[int]) -> ReplayReport:
     """Valkey (2 shards), prefill and decode engines with Range, the proxy; replay through the proxy; stop all.
 
     Returns:
@@ -299,7 +307,8 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list, trace: Any
     return report
 
 
-def run_baseline(model_dir: Path, run_dir: Path, requests: list, trace: Any, prime: list[int]) -> Any:
+def run_baseline(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
+                 prime: list[int]) -> ReplayReport:
     """One vLLM engine without a connector (core 0); replay; stop it. Returns the ``none`` report."""
     with _Cleanup() as cleanup:
         server = cleanup.enter_context(_engine(model_dir, run_dir, "none", "0", 2, None))
@@ -316,7 +325,8 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0].strip("`: "))
+    p = argparse.ArgumentParser(description="Range connector demo: disaggregated prefill replaying a trace, against "
+                                            "one engine without a connector.")
     p.add_argument("--trace", default=None, help="Mooncake .jsonl or Azure .csv to replay (default: synthetic)")
     p.add_argument("--count", type=int, default=None,
                    help=f"requests (default {SYNTHETIC_REQUESTS} synthetic, {TRACE_REQUESTS} from --trace)")
