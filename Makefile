@@ -9,8 +9,9 @@ CUDA_ONLY_PACKAGES := torchvision torchaudio torchcodec triton
 
 .PHONY: demo test venv clean-venv
 
+# make demo TRACE=path/to/trace.jsonl replays that trace instead of the built-in synthetic one.
 demo: $(STAMP)
-	$(PY) -m range_connector.demo
+	$(PY) -m range_connector.demo $(if $(TRACE),--trace "$(TRACE)")
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -209,6 +209,34 @@ def kv_bytes_per_token(model_dir: str | os.PathLike[str]) -> int:
     return 2 * layers * kv_heads * head_dim * _BF16_BYTES
 
 
+def prompt_token_ids(model_dir: str | os.PathLike[str], num_tokens: int) -> list[int]:
+    """Tokenize English text (the tokenizer's own training corpus, ``pydoc_data.topics``) into a test prompt.
+
+    Args:
+        model_dir: Model directory holding the tokenizer.
+        num_tokens: Prompt length in tokens (BOS included).
+
+    Returns:
+        ``[num_tokens]`` token ids starting with the tokenizer's BOS.
+
+    Raises:
+        ValueError: The corpus holds fewer than ``num_tokens`` tokens.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    text = "\n\n".join(_corpus())
+    num_chars = num_tokens * 4  # ~3-4 characters per token: grow the slice until it is long enough
+    while True:
+        ids = tokenizer(text[:num_chars])["input_ids"]
+        if len(ids) >= num_tokens or num_chars >= len(text):
+            break
+        num_chars *= 2
+    if len(ids) < num_tokens:
+        raise ValueError(f"num_tokens: pydoc_data.topics holds only {len(ids)} tokens, fewer than {num_tokens}")
+    return list(ids[:num_tokens])
+
+
 def _is_complete(path: pathlib.Path) -> bool:
     return all((path / f).is_file() for f in _REQUIRED_FILES)
 

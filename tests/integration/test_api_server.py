@@ -70,7 +70,7 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def prompt(model_dir: Path) -> list[int]:
-    from range_connector.demo import prompt_token_ids
+    from range_connector.tiny_models import prompt_token_ids
 
     return prompt_token_ids(model_dir, PROMPT_TOKENS)
 

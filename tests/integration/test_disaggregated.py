@@ -20,7 +20,6 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 from range_connector.backends.latency import write_control_file  # noqa: E402
-from range_connector.demo import prompt_token_ids  # noqa: E402
 from range_connector.launch import (  # noqa: E402
     ServerProcess,
     complete,
@@ -30,7 +29,7 @@ from range_connector.launch import (  # noqa: E402
     scrape_metrics,
     wait_for_metric,
 )
-from range_connector.tiny_models import build_model  # noqa: E402
+from range_connector.tiny_models import build_model, prompt_token_ids  # noqa: E402
 from range_connector.valkey_servers import stop_servers  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

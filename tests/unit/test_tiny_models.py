@@ -176,3 +176,17 @@ def test_default_cache_dir_follows_environment(monkeypatch: pytest.MonkeyPatch, 
 def test_command_line_prints_the_path(built, cache_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert tiny_models.main(["--kind", "mla", "--size", "tiny", "--cache-dir", str(cache_dir)]) == 0
     assert capsys.readouterr().out.strip() == str(built[("mla", "tiny")][0])
+
+
+@pytest.mark.timeout(120)
+def test_prompt_token_ids_are_english_of_the_asked_length() -> None:
+    from transformers import AutoTokenizer
+
+    path = build_model("gqa", "tiny")
+    ids = tiny_models.prompt_token_ids(path, 1800)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(ids) == 1800 and ids[0] == tok.bos_token_id
+    assert tiny_models.prompt_token_ids(path, 300) == ids[:300]  # a prefix of the same text
+    assert "the" in tok.decode(ids[:300], skip_special_tokens=True).split()
+    with pytest.raises(ValueError, match="num_tokens"):
+        tiny_models.prompt_token_ids(path, 10_000_000)
