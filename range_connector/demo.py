@@ -44,7 +44,7 @@ demo on the tiny model instead.
 
 Engines: block size 64 tokens and chunks of 128 (one block per shard per chunk; at the default 128/256 most of these
 short prompts would end inside their last, unsaved chunk), ``--enforce-eager``, ``max_model_len`` 4096, KV cache
-1 GiB (prefill) and 2 GiB (decode, ``none``).
+1 GiB each (prefill, decode, ``none``: the machine is shared; 2 GiB ran it out of memory once).
 
 Everything it started (engines, proxy, Valkey) is stopped on success, on errors and on Ctrl-C or SIGTERM. Exit
 status: 0 when every request of both replays succeeded and the decode engine loaded tokens from the tier; 1, with
@@ -280,7 +280,7 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayReque
         _log(f"Valkey: {NUM_SHARDS} shards at {', '.join(urls)} (runtime dir {valkey_dir})")
         common = {"valkey_urls": urls, "chunk_tokens": CHUNK_TOKENS}
         prefill = _engine(model_dir, run_dir, "prefill", "0", 1, connector_config(common, role="kv_producer"))
-        decode = _engine(model_dir, run_dir, "decode", "1", 2, connector_config(common, role="kv_consumer"))
+        decode = _engine(model_dir, run_dir, "decode", "1", 1, connector_config(common, role="kv_consumer"))
         cleanup.callback(lambda: _log("stopped the prefill and decode engines"))
         for name, server in (("prefill", prefill), ("decode", decode)):
             cleanup.enter_context(server)
@@ -311,7 +311,7 @@ def run_baseline(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], 
                  prime: list[int]) -> ReplayReport:
     """One vLLM engine without a connector (core 0); replay; stop it. Returns the ``none`` report."""
     with _Cleanup() as cleanup:
-        server = cleanup.enter_context(_engine(model_dir, run_dir, "none", "0", 2, None))
+        server = cleanup.enter_context(_engine(model_dir, run_dir, "none", "0", 1, None))
         cleanup.callback(lambda: _log("stopped the engine without a connector"))
         _log(f"none: engine without a connector starting on {server.base_url} (core 0, log {server.log_path})")
         _log(f"none: ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
