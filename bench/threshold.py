@@ -3,8 +3,8 @@
 Three vLLM CPU API servers (:class:`~range_connector.launch.ServerProcess`) on the bench GQA model (32 layers,
 128 KiB of KV per token), each reused for every cell:
 
-* ``always``: Range connector, DRAM tier (``backend`` ``"memory"``) behind the latency wrapper, ``load_mode``
-  ``"pipelined"``: every stored prefix is loaded;
+* ``always``: Range connector, file tier (``backend`` ``"file"``, its own directory, in the page cache) behind the
+  latency wrapper, ``load_mode`` ``"pipelined"``: every stored prefix is loaded;
 * ``never``: no connector: every prompt is recomputed;
 * ``gate``: the same connector with ``load_mode`` ``"auto"``, seeded with the calibration file written here.
 
@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from granularity import busy_cores, git_state, log, machine_info, versions  # noqa: E402  (puts the repo on the path)
+from granularity import busy_cores, git_state, log, machine_info, versions, wait_quiet  # noqa: E402  (puts the repo on the path)
 
 from range_connector.backends.latency import write_control_file  # noqa: E402
 from range_connector.calibrate import measure_prefill, model_facts  # noqa: E402
@@ -145,14 +145,17 @@ def calibrate(never: Engine, always: Engine, control_file: Path, args: argparse.
             times.append(r["ttft_s"])
         med = statistics.median(times)
         raw_hits.append((n, h, med))
-        hit_points.append((int(h * s), max(1e-6, med - overhead_s - rate.time_s(h, n))))
+        hit_points.append((int(h * s), med - rate.time_s(h, n)))  # minus the one-token suffix
         log(f"  hit {h:>6} of {n:>6} tokens: {med * 1e3:8.1f} ms (median of {args.cal_repeats})")
+    # Hit TTFT = overhead + T0 + bytes/B0: the line's intercept less the request overhead fitted on 'never'.
     try:
-        line, fitted = fit_tier_line(hit_points), True
-    except ValueError:  # transfers too short to resolve (tiny model): T0 is the mean, B0 unmeasurably fast
-        line, fitted = TierEstimate(UNRESOLVED_B0_BYTES_PER_S, statistics.fmean(t for _, t in hit_points)), False
-    cal = Calibration(rate, overhead_s, {"memory": (line,)}, s, str(args.model_dir), time.time(),
-                      tuple(prefill_points), {"memory": (tuple(hit_points),)})
+        fit, fitted = fit_tier_line(hit_points), True
+        b0_bytes_per_s, intercept_s = fit.bandwidth_bytes_per_s, fit.t0_s
+    except ValueError:  # transfers too short to resolve (tiny model): B0 unmeasurably fast, T0 from the mean
+        b0_bytes_per_s, intercept_s, fitted = UNRESOLVED_B0_BYTES_PER_S, statistics.fmean(t for _, t in hit_points), False
+    line = TierEstimate(b0_bytes_per_s, max(0.0, intercept_s - overhead_s))
+    cal = Calibration(rate, overhead_s, {"file": (line,)}, s, str(args.model_dir), time.time(),
+                      tuple(prefill_points), {"file": (tuple((b, max(0.0, t - overhead_s)) for b, t in hit_points),)})
     return {"calibration": cal, "rate": rate, "overhead_s": overhead_s, "t0_s": line.t0_s,
             "b0_bytes_per_s": line.bandwidth_bytes_per_s, "b0_resolved": fitted,
             "prefill_points": prefill_points, "hit_points": raw_hits,
@@ -313,7 +316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     floats = lambda t: [float(x) for x in t.split(",")]  # noqa: E731
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 lengths x 2 bandwidths, 2 runs")
     p.add_argument("--model-size", choices=("tiny", "bench"), default=None, help="default: bench (tiny with --smoke)")
-    p.add_argument("--lengths", type=ints, default=None, help="prompt tokens (default 513,1025,2049,3073)")
+    p.add_argument("--lengths", type=ints, default=None, help="prompt tokens (default 513,769,1025,1281)")
     p.add_argument("--speed-factors", type=floats, default=None,
                    help="delivered bandwidths as multiples of the mean break-even bandwidth (default 0.45,0.8,1.25,2.2)")
     p.add_argument("--runs", type=int, default=None, help="measured rounds per cell (default 5)")
@@ -323,12 +326,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-slow-tier", action="store_true", help="skip the slow-tier scenario")
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--start-timeout-s", type=float, default=600.0)
+    p.add_argument("--wait-quiet-s", type=float, default=0.0,
+                   help="before calibration and the grid, wait up to this long for other work to use < 0.5 core")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/threshold-<time>.json)")
     args = p.parse_args(argv)
     smoke = args.smoke
     args.model_size = args.model_size or ("tiny" if smoke else "bench")
-    args.lengths = args.lengths or ([513, 1025] if smoke else [513, 1025, 2049, 3073])
+    args.lengths = args.lengths or ([513, 1025] if smoke else [513, 769, 1025, 1281])
     args.speed_factors = args.speed_factors or ([0.5, 2.0] if smoke else [0.45, 0.8, 1.25, 2.2])
     args.runs = args.runs or (2 if smoke else 5)
     args.slow_phases = args.slow_phases or ([2, 3, 3] if smoke else [5, 10, 8])
@@ -361,32 +366,36 @@ def main(argv: list[str] | None = None) -> int:
                            "config": {"smoke": args.smoke, "model": str(args.model_dir), "model_size": args.model_size,
                                       "bytes_per_token": s, "num_layers": facts.num_layers, "lengths": args.lengths,
                                       "speed_factors": args.speed_factors, "runs": args.runs,
-                                      "block_size": BLOCK_SIZE, "chunk_tokens": CHUNK_TOKENS, "backend": "memory"}}
+                                      "block_size": BLOCK_SIZE, "chunk_tokens": CHUNK_TOKENS, "backend": "file"}}
     with tempfile.TemporaryDirectory(prefix="range-threshold-") as tmp:
         work = Path(tmp)
         control_file, cal_file = work / "tier.json", work / "calibration.json"
         write_control_file(control_file, delay_s=0.0, bandwidth_bytes_per_s=0.0, frozen=False)
-        common = {"backend": "memory", "chunk_tokens": CHUNK_TOKENS, "tier_control_file": str(control_file),
-                  "memory_capacity_bytes": 1 << 30}
+        # The file tier (page cache) behind the wrapper: reads are charged by the bytes read. (The DRAM tier lends
+        # whole stripes as views, which the wrapper charges in full: a one-chunk probe would cost a whole prompt.)
+        common = {"backend": "file", "chunk_tokens": CHUNK_TOKENS, "tier_control_file": str(control_file)}
         engines = {"never": Engine("never", args.model_dir, work, args, None),
-                   "always": Engine("always", args.model_dir, work, args, {**common, "load_mode": "pipelined"})}
+                   "always": Engine("always", args.model_dir, work, args,
+                                    {**common, "load_mode": "pipelined", "file_dir": str(work / "kv-always")})}
         try:
             for e in engines.values():
                 e.server.start()
             for e in engines.values():
                 log(f"{e.way}: ready in {e.server.wait_ready(args.start_timeout_s):.0f} s ({e.url})")
+            doc["machine"]["busy_cores_before_calibration"] = wait_quiet(0.5, args.wait_quiet_s)
             cal = calibrate(engines["never"], engines["always"], control_file, args, s, vocab, rng)
             write_calibration(cal["calibration"], cal_file)
             log(f"R = {cal['r_tokens_per_s']:.0f} tokens/s at context 0, overhead {cal['overhead_s'] * 1e3:.1f} ms, "
                 f"T0 = {cal['t0_s'] * 1e3:.1f} ms, B0 = {cal['b0_bytes_per_s'] / 1e9:.2f} GB/s, "
                 f"B* = s.R = {cal['b_star_bytes_per_s'] / 1e9:.3f} GB/s")
             engines["gate"] = Engine("gate", args.model_dir, work, args,
-                                     {**common, "load_mode": "auto", "calibration_file": str(cal_file)})
+                                     {**common, "load_mode": "auto", "calibration_file": str(cal_file),
+                                      "file_dir": str(work / "kv-gate")})
             engines["gate"].server.start()
             log(f"gate: ready in {engines['gate'].server.wait_ready(args.start_timeout_s):.0f} s")
             doc["calibration"] = {k: v for k, v in cal.items() if k not in ("calibration", "rate")}
             doc["calibration"]["file"] = cal["calibration"].to_json()
-            doc["machine"]["busy_cores_before_grid"] = round(busy_cores(1.0), 2)
+            doc["machine"]["busy_cores_before_grid"] = round(wait_quiet(0.5, args.wait_quiet_s) or busy_cores(1.0), 2)
             log(f"grid: {len(args.speed_factors)} bandwidths x {len(args.lengths)} lengths x {args.runs} runs")
             doc["cells"] = run_grid(engines, control_file, cal, args, s, vocab, rng)
             doc["summary"] = summarise_grid(doc["cells"])
