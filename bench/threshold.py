@@ -175,12 +175,13 @@ def cap_for(delivered: float, b0: float) -> float:
 
 # ---------------------------------------------------------------------------------------------------- measurement
 def run_grid(engines: dict[str, Engine], control_file: Path, cal: dict[str, Any], args: argparse.Namespace,
-             s: float, vocab: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+             s: float, vocab: int, rng: np.random.Generator, cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Measure every cell (appended to ``cells`` as it completes, so an interrupted run keeps them)."""
     rate, t0, b0 = cal["rate"], cal["t0_s"], cal["b0_bytes_per_s"]
     be = {n: break_even_bytes_per_s(n, s, rate, t0) for n in args.lengths}
     finite = [b for b in be.values() if math.isfinite(b)]
     ref = math.exp(statistics.fmean(math.log(b) for b in finite)) if finite else b0 / 4
-    cells, order = [], 0
+    order = 0
     for factor in args.speed_factors:
         delivered = factor * ref
         cap = cap_for(delivered, b0)
@@ -285,17 +286,20 @@ def plot(doc: dict[str, Any], png: Path) -> str:
                "RdBu_r", (0.25, 4.0)),
               ("gate / oracle (median TTFT)", lambda c: c["gate_over_oracle"], "Reds", (0.8, 1.5)))
     for ax, (title, value, cmap, (lo, hi)) in zip(axes, panels):
-        grid = np.array([[value(cell[(f, n)]) for n in lengths] for f in factors])
+        grid = np.array([[value(cell[(f, n)]) if (f, n) in cell else np.nan for n in lengths] for f in factors])
         norm = matplotlib.colors.LogNorm(lo, hi)
         im = ax.imshow(grid, origin="lower", cmap=cmap, norm=norm, aspect="auto")
         for i, f in enumerate(factors):
             for j, n in enumerate(lengths):
-                c = cell[(f, n)]
+                c = cell.get((f, n))
+                if c is None:  # an interrupted run
+                    continue
                 extra = f"\n{c['oracle'][0].upper()}" if "gate" in title else ""
                 ax.text(j, i, f"{grid[i, j]:.2f}{extra}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_yticks(range(len(factors)),
-                      [f"{cell[(f, lengths[0])]['delivered_bytes_per_s'] / 1e9:.2f} GB/s ({f:g}x)" for f in factors])
+                      [f"{next(c for c in cells if c['speed_factor'] == f)['delivered_bytes_per_s'] / 1e9:.2f} GB/s "
+                       f"({f:g}x)" for f in factors])
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("tier delivered bandwidth (x mean B_be)")
         ax.set_title(title, fontsize=10)
@@ -397,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["calibration"]["file"] = cal["calibration"].to_json()
             doc["machine"]["busy_cores_before_grid"] = round(wait_quiet(0.5, args.wait_quiet_s) or busy_cores(1.0), 2)
             log(f"grid: {len(args.speed_factors)} bandwidths x {len(args.lengths)} lengths x {args.runs} runs")
-            doc["cells"] = run_grid(engines, control_file, cal, args, s, vocab, rng)
+            doc["cells"] = []
+            run_grid(engines, control_file, cal, args, s, vocab, rng, doc["cells"])
             doc["summary"] = summarise_grid(doc["cells"])
             if not args.no_slow_tier:
                 caps = sorted(c["cap_bytes_per_s"] for c in doc["cells"])
@@ -406,14 +411,22 @@ def main(argv: list[str] | None = None) -> int:
                 slow = cap_for(args.slow_factor * be_ref, cal["b0_bytes_per_s"])
                 log(f"slow tier: fast cap {fast / 1e9:.3f} GB/s (0: none), slow cap {slow / 1e9:.3f} GB/s")
                 doc["slow_tier"] = run_slow_tier(engines["gate"], control_file, fast, slow, args, vocab, rng)
+        except KeyboardInterrupt:  # keep what was measured
+            doc["interrupted"] = True
+            log("interrupted: writing the cells measured so far")
         finally:
             doc["engine_logs_tail"] = {w: e.server.log_tail(15) for w, e in engines.items()}
             for e in engines.values():
                 e.server.stop()
     doc["elapsed_s"] = time.monotonic() - started
     doc["machine"]["loadavg_end"] = machine_info()["loadavg"]
+    if doc.get("cells") and "summary" not in doc:
+        doc["summary"] = summarise_grid(doc["cells"])
     doc["plot"] = plot(doc, out.with_suffix(".png")) if doc.get("cells") else None
     out.write_text(json.dumps(doc, indent=1))
+    if "summary" not in doc:
+        log(f"wrote {out} (no cell measured)")
+        return 1
     sm = doc["summary"]
     log(f"gate within 10% of the oracle in {sm['share_within_10pct']:.0%} of {sm['num_cells']} cells "
         f"(target 90%), regret {sm['regret']:+.2%} (target <= 5%), worst {sm['worst_gate_over_oracle']:.3f}x; "
