@@ -328,6 +328,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slow-factor", type=float, default=0.2, help="slow tier, as a multiple of mean B_be")
     p.add_argument("--slow-phases", type=ints, default=None, help="requests fast,slow,recovered (default 5,10,8)")
     p.add_argument("--no-slow-tier", action="store_true", help="skip the slow-tier scenario")
+    p.add_argument("--load-deadline-s", type=float, default=None,
+                   help="connector load_deadline_s of both connector engines (default: the connector's, 30 s)")
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--wait-quiet-s", type=float, default=0.0,
@@ -378,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         # The file tier (page cache) behind the wrapper: reads are charged by the bytes read. (The DRAM tier lends
         # whole stripes as views, which the wrapper charges in full: a one-chunk probe would cost a whole prompt.)
         common = {"backend": "file", "chunk_tokens": CHUNK_TOKENS, "tier_control_file": str(control_file)}
+        if args.load_deadline_s is not None:
+            common["load_deadline_s"] = args.load_deadline_s
         engines = {"never": Engine("never", args.model_dir, work, args, None),
                    "always": Engine("always", args.model_dir, work, args,
                                     {**common, "load_mode": "pipelined", "file_dir": str(work / "kv-always")})}
