@@ -169,6 +169,7 @@ class TierEstimator:
         jump_ratio: observed / predicted seconds beyond which a load rescales the line at once (> 1).
         seed_weight: weight of each of the two seed pseudo-loads.
         probe_interval_s: least seconds between two probes of one backend.
+        probe_every_refusals: least refused offers of one backend between two probes (1: time alone limits them).
 
     Raises:
         ValueError: ``alpha`` outside (0, 1], ``jump_ratio`` <= 1, or a negative weight or interval.
@@ -176,13 +177,17 @@ class TierEstimator:
 
     def __init__(self, seeds: Mapping[str, Sequence[TierEstimate]], default_seed: TierEstimate, *,
                  alpha: float = 0.3, jump_ratio: float = 2.0, seed_weight: float = 1.0,
-                 probe_interval_s: float = 1.0) -> None:
-        if not 0 < alpha <= 1 or not jump_ratio > 1 or not seed_weight > 0 or not probe_interval_s >= 0:
-            raise ValueError("alpha in (0, 1], jump_ratio > 1, seed_weight > 0 and probe_interval_s >= 0 required")
+                 probe_interval_s: float = 1.0, probe_every_refusals: int = 1) -> None:
+        if not 0 < alpha <= 1 or not jump_ratio > 1 or not seed_weight > 0 or not probe_interval_s >= 0 \
+                or not probe_every_refusals >= 1:
+            raise ValueError("alpha in (0, 1], jump_ratio > 1, seed_weight > 0, probe_interval_s >= 0 and "
+                             "probe_every_refusals >= 1 required")
         self.seeds = {k: tuple(v) for k, v in seeds.items()}
         self.default_seed = default_seed
         self.alpha, self.jump_ratio, self.seed_weight = alpha, jump_ratio, seed_weight
         self.probe_interval_s = probe_interval_s
+        self.probe_every_refusals = probe_every_refusals
+        self._refusals: dict[str, int] = {}  # refused offers since the last probe, per backend
         self._fits: dict[tuple[str, int], _LineFit] = {}
         self._last_probe_s: dict[str, float] = {}
 
@@ -215,12 +220,16 @@ class TierEstimator:
     def should_probe(self, backend: str, now_s: float) -> bool:
         """Whether a refused ``backend`` may be probed at ``now_s`` (monotonic seconds); records the probe if so.
 
-        At most one probe per ``probe_interval_s`` per backend, so probing a slow tier costs a bounded share of time.
+        At most one probe per ``probe_interval_s`` per backend, so probing a slow tier costs a bounded share of time,
+        and (after the first) at most one per ``probe_every_refusals`` refused offers, so that requests further
+        apart than the interval are not all probes.
         """
+        refusals = self._refusals[backend] = self._refusals.get(backend, 0) + 1
         last = self._last_probe_s.get(backend)
-        if last is not None and now_s - last < self.probe_interval_s:
+        if last is not None and (now_s - last < self.probe_interval_s or refusals < self.probe_every_refusals):
             return False
         self._last_probe_s[backend] = now_s
+        self._refusals[backend] = 0
         return True
 
 
@@ -274,6 +283,11 @@ class GateConfig:
         async_step_ratio: a load longer than this many typical steps is asynchronous.
         min_saving_s: a hit must save more than this many seconds.
         probe_interval_s: least seconds between two probes of a refused tier.
+        probe_every_refusals: least refused offers between two probes. A probe costs about one chunk's transfer
+            minus its compute, a sizeable share of a request when the tier is slow; when requests come further apart
+            than ``probe_interval_s`` (seconds-long prefills on a CPU engine), the interval alone would make every
+            refused request a probe (seen in bench/threshold.py); 4 keeps that share <= 1/4 and still re-measures a
+            recovered tier within ~4 requests.
         seed_tokens_per_s: ``R`` before calibration or samples.
         seed_bandwidth_bytes_per_s: ``B`` per shard before calibration or samples.
         seed_t0_s: ``T0`` before calibration or samples.
@@ -286,6 +300,7 @@ class GateConfig:
     async_step_ratio: float = 1.0
     min_saving_s: float = 0.0
     probe_interval_s: float = 1.0
+    probe_every_refusals: int = 4
     seed_tokens_per_s: float = 2000.0
     seed_bandwidth_bytes_per_s: float = 1e10
     seed_t0_s: float = 0.001
@@ -322,7 +337,8 @@ class CostGate:
         self.tiers = TierEstimator(calibration.tiers if calibration is not None else {},
                                    TierEstimate(config.seed_bandwidth_bytes_per_s, config.seed_t0_s),
                                    alpha=config.tier_alpha, jump_ratio=config.jump_ratio,
-                                   probe_interval_s=config.probe_interval_s)
+                                   probe_interval_s=config.probe_interval_s,
+                                   probe_every_refusals=config.probe_every_refusals)
         self.stats = DecisionStats()
 
     def decide(self, prompt_tokens: int, num_computed_tokens: int, hit_tokens: int,

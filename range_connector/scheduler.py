@@ -136,7 +136,8 @@ class RangeScheduler:
                                  layout_bytes_per_token(layer_block_bytes, num_layers, block_size), num_layers,
                                  block_size, self.chunk_tokens, calibration=calibration)
         self._decisions: dict[str, Decision] = {}  # req_id -> the gate's decision vLLM acted on
-        self._last_step: tuple[float, int] | None = None  # (when the last step was built, its scheduled tokens)
+        #: (when the last step was built, its scheduled tokens, its request ids)
+        self._last_step: tuple[float, int, set[str]] | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
         self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
                                       "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
@@ -368,9 +369,15 @@ class RangeScheduler:
         self._loads = []
         if self.gate is not None:  # R from the engine's own steps: the time between two steps' plans
             now = time.monotonic()
-            if self._last_step is not None and self._last_step[1] > 0 and now - self._last_step[0] < 10.0:
-                self.gate.observe_step(self._last_step[1], now - self._last_step[0])
-            self._last_step = (now, scheduler_output.total_num_scheduled_tokens)
+            if self._last_step is not None:
+                start_s, tokens, req_ids = self._last_step
+                # Only when work was left after that step: once all its requests finished, the engine may have idled
+                # until this step's requests arrived, and the gap is no step time (R would be underestimated).
+                if tokens > 0 and now - start_s < 10.0 and not req_ids <= set(scheduler_output.finished_req_ids):
+                    self.gate.observe_step(tokens, now - start_s)
+            req_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+            req_ids.update(scheduler_output.scheduled_cached_reqs.req_ids)
+            self._last_step = (now, scheduler_output.total_num_scheduled_tokens, req_ids)
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._lookups.pop(req_id, None)

@@ -132,6 +132,15 @@ def test_probes_are_rate_limited_per_backend() -> None:
     assert est.should_probe("valkey", 102.0)
 
 
+def test_probes_also_wait_for_refused_offers_when_requests_are_sparse() -> None:
+    # Requests 10 s apart (seconds-long CPU prefills): the time limit alone would make every refusal a probe.
+    est = TierEstimator({}, TierEstimate(1e9, 0.0), probe_interval_s=1.0, probe_every_refusals=4)
+    probes = [est.should_probe("file", 10.0 * i) for i in range(13)]
+    assert probes == [True, False, False, False, True, False, False, False, True, False, False, False, True]
+    with pytest.raises(ValueError, match="probe_every_refusals"):
+        TierEstimator({}, TierEstimate(1e9, 0.0), probe_every_refusals=0)
+
+
 # ------------------------------------------------------------------------------------------ slow tier, end to end
 @dataclass
 class SimulatedTier:

@@ -381,3 +381,29 @@ def test_producer_names_a_consumer_whose_settings_differ(caplog) -> None:
     assert p.sched.request_finished(req, list(p.running["P-0"].block_ids))[1]["range"]["num_tokens"] == 150
     assert p.sched.stats["settings_mismatches"] == 1 and "num_shards: 2 != 1" in caplog.text
     p.close()
+
+
+@pytest.mark.timeout(60)
+def test_auto_mode_learns_the_prefill_rate_only_from_steps_with_work_left_after_them() -> None:
+    # A step's interval (to the next plan) is step time only while requests remain; once every request of a step
+    # finished, the engine may idle until the next request arrives, and that gap would make R look far too slow.
+    from types import SimpleNamespace
+
+    b = Engine(wrap(shard_backends(1, 1)), seed=82, load_mode="auto")  # type: ignore[arg-type]
+    rates = b.sched.gate.rates
+
+    def plan(req_id: str, finished: tuple[str, ...] = ()) -> None:
+        cached = SimpleNamespace(req_ids=[req_id], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[0])
+        b.sched.build_connector_meta(SimpleNamespace(
+            total_num_scheduled_tokens=512, finished_req_ids=set(finished), scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: 512}))
+        time.sleep(0.02)
+
+    plan("r1")
+    plan("r1")  # r1 still running: the interval was a step
+    assert rates.num_samples == 1
+    plan("r2", finished=("r1",))  # the previous step's only request finished: maybe idle, not learnt
+    assert rates.num_samples == 1
+    plan("r2")
+    assert rates.num_samples == 2
+    b.close()
