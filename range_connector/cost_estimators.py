@@ -199,10 +199,17 @@ class TierEstimator:
             self._fits[key] = _LineFit.seeded(seed, self.seed_weight)
         return self._fits[key]
 
-    def observe(self, backend: str, shard_idx: int, num_bytes: int, seconds: float) -> None:
-        """Learn from one completed load of ``num_bytes`` from one shard in ``seconds`` (bad samples ignored)."""
+    def observe(self, backend: str, shard_idx: int, num_bytes: int, seconds: float, *,
+                lower_bound: bool = False) -> None:
+        """Learn from one completed load of ``num_bytes`` from one shard in ``seconds`` (bad samples ignored).
+
+        ``lower_bound``: the load did not complete (it ran out of its deadline after ``seconds``): the true time is
+        longer, so the sample is learnt only when it is slower than the current prediction (a censored sample)."""
         if num_bytes > 0 and seconds >= 0 and math.isfinite(seconds) and shard_idx >= 0:
-            self._fit(backend, shard_idx).add(float(num_bytes), float(seconds), self.alpha, self.jump_ratio)
+            fit = self._fit(backend, shard_idx)
+            if lower_bound and seconds <= fit.predict_s(float(num_bytes)):
+                return
+            fit.add(float(num_bytes), float(seconds), self.alpha, self.jump_ratio)
 
     def estimate(self, backend: str, shard_idx: int) -> TierEstimate:
         """Current ``B`` and ``T0`` of one shard."""
@@ -372,9 +379,10 @@ class CostGate:
         """Bytes each shard delivers for ``decision``'s load."""
         return round(decision.num_new_tokens * self.bytes_per_token / self.num_shards)
 
-    def observe_load(self, shard_idx: int, num_bytes: int, seconds: float) -> None:
-        """Learn from one shard's finished load (worker-measured, submission to last byte)."""
-        self.tiers.observe(self.backend, shard_idx, num_bytes, seconds)
+    def observe_load(self, shard_idx: int, num_bytes: int, seconds: float, *, lower_bound: bool = False) -> None:
+        """Learn from one shard's finished load (worker-measured, submission to last byte; ``lower_bound``: it ran
+        out of its deadline after ``seconds``, see :meth:`TierEstimator.observe`)."""
+        self.tiers.observe(self.backend, shard_idx, num_bytes, seconds, lower_bound=lower_bound)
 
     def record_load(self, decision: Decision, realised_s: float) -> None:
         """Record the whole load's realised seconds against ``decision.load_s``."""

@@ -116,6 +116,8 @@ class LoadJob:
         self.lock = threading.Lock()
         self.closed = False
         self.finished = False
+        #: the load ran out of its deadline (or found no bank in time) before every layer was in reach
+        self.deadline_missed = False
         self.started_s = time.monotonic()
         self.failed_from: dict[str, int] = {}
         self.num_layers = len(worker.layer_names)
@@ -383,6 +385,7 @@ class LoadJob:
         logger.warning("Range load: layers %d-%d not delivered (%s)", self.groups[g].start,
                        self.groups[-1].stop - 1, why)
         self.w.stats["load_deadline_misses"] += 1
+        self.deadline_missed = True
         self.cancel()
         for req in self.reqs:
             if req.chunks:

@@ -76,15 +76,17 @@ class RangeWorkerMetadata(KVConnectorWorkerMetadata):
         loaded: requests whose load of this step finished (loaded or failed): their leases can go.
         failed_loads: ``(req_id, chunk_idx)``: the request's load failed from that chunk on; those chunks are
             recomputed and must be saved again.
-        load_timings: ``(req_ids, bytes loaded per shard, seconds)`` of each finished load job, from its start until
-            its last byte was in reach (for the cost model's estimates of ``B`` and ``T0``).
+        load_timings: ``(req_ids, bytes per shard, seconds, complete)`` of each finished load job: from its start
+            until its last byte was in reach (``complete``), or until it ran out of its deadline with the planned
+            bytes (not ``complete``: a lower bound on the tier's time), for the cost model's estimates of ``B`` and
+            ``T0``.
     """
 
     saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = field(default_factory=list)
     dropped: list[ChunkHash] = field(default_factory=list)
     failed_loads: list[tuple[str, int]] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
-    load_timings: list[tuple[tuple[str, ...], int, float]] = field(default_factory=list)
+    load_timings: list[tuple[tuple[str, ...], int, float, bool]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, RangeWorkerMetadata):

@@ -68,6 +68,7 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     num_saved_chunks: int = 0  # chunks [0, num_saved_chunks) are stored or scheduled for saving
     tail_saved: bool = False
+    num_stored_chunks: int = 0  # full chunks the tier held at lookup (a load of them that timed out left them there)
 
 
 @dataclass
@@ -121,6 +122,9 @@ class RangeScheduler:
         #: loads all of the prompt but the last token
         self.save_tail = can_save and not can_load
         self._remote_wait_until: dict[str, float] = {}  # req_id -> when to stop waiting for announced KV
+        #: req_id -> tokens loaded before its load failed: vLLM reschedules such a request (an asynchronous one
+        #: through the waiting queue, where it is looked up again); it is not offered the failed hit a second time
+        self._load_failed_at_tokens: dict[str, int] = {}
         # The DRAM tier's index: chunk hash -> tickets (the bytes are in the worker, which reports saves/evictions).
         self._index: dict[ChunkHash, tuple[Ticket, ...]] = {}
         self._leases: dict[str, dict[int, tuple[list[str], str]]] = {}  # req_id -> shard -> (stripe ids, token)
@@ -141,7 +145,7 @@ class RangeScheduler:
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
         self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
                                       "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
-                                      "settings_mismatches": 0}
+                                      "settings_mismatches": 0, "reoffers_refused": 0}
 
     # ---------------------------------------------------------------- lookup
     def _chain(self, request: Request) -> tuple[list[ChunkHash], ChunkHash | None]:
@@ -220,6 +224,10 @@ class RangeScheduler:
         hit = hit_tokens(stored, self.chunk_tokens, num_prompt, self.block_size)
         if has_tail:  # the whole prompt is stored: all of it but the last token (vLLM computes that one)
             hit = max(hit, num_prompt - 1)
+        failed_at = self._load_failed_at_tokens.get(request.request_id)
+        if failed_at is not None and hit > failed_at:  # this request's load failed there: recompute the rest
+            hit, has_tail = max(failed_at, num_computed_tokens), False
+            self.stats["reoffers_refused"] += 1
         self.stats["lookups"] += 1
         mode = self.config.load_mode
         lookup = _Lookup(hashes, tickets, stored, num_computed_tokens, hit, mode, tail, has_tail)
@@ -288,6 +296,7 @@ class RangeScheduler:
         if lookup is not None and self.can_save:
             # Chunks already stored are not saved again.
             state.num_saved_chunks = max(state.num_saved_chunks, lookup.num_stored_chunks)
+            state.num_stored_chunks = max(state.num_stored_chunks, lookup.num_stored_chunks)
             state.tail_saved = state.tail_saved or lookup.has_tail
         if num_external_tokens <= 0:
             return
@@ -381,6 +390,7 @@ class RangeScheduler:
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._lookups.pop(req_id, None)
+            self._load_failed_at_tokens.pop(req_id, None)
             self._release_leases(req_id)
         progress: list[tuple[_RequestState, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -438,16 +448,28 @@ class RangeScheduler:
         """Learn completed saves and dropped values (the DRAM tier's index lives here)."""
         if worker_meta is None:
             return
+        dropped = set(worker_meta.dropped)
         for req_id, chunk_idx in worker_meta.failed_loads:
+            failed_at = chunk_idx * self.chunk_tokens
+            self._load_failed_at_tokens[req_id] = min(self._load_failed_at_tokens.get(req_id, failed_at), failed_at)
             state = self._requests.get(req_id)
-            if state is not None:  # recomputed chunks are saved again once computed
-                state.num_saved_chunks = min(state.num_saved_chunks, chunk_idx)
+            if state is None:
+                continue
+            # Chunks computed in that step on top of the failed load were not saved, and chunks found gone or
+            # corrupt were dropped: both are saved again once recomputed. Chunks whose load only ran out of time
+            # are still stored and are not written twice.
+            redo = max(chunk_idx, state.num_stored_chunks)
+            redo = min([redo] + [i for i in range(chunk_idx, len(state.chunk_hashes)) if state.chunk_hashes[i] in dropped])
+            state.num_saved_chunks = min(state.num_saved_chunks, redo)
+            if state.tail_hash in dropped:
+                state.tail_saved = False
         for req_id in worker_meta.loaded:
             self._release_leases(req_id)
         if self.gate is not None:  # B and T0 from completed loads
-            for req_ids, shard_bytes, seconds in worker_meta.load_timings:
+            for req_ids, shard_bytes, seconds, complete in worker_meta.load_timings:
                 for shard_idx in range(self.gate.num_shards):
-                    self.gate.observe_load(shard_idx, shard_bytes, seconds)
+                    # A load that ran out of time says only that the tier is at least that slow.
+                    self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete)
                 for req_id in req_ids:
                     decision = self._decisions.pop(req_id, None)
                     if decision is not None:
@@ -472,6 +494,7 @@ class RangeScheduler:
         self._lookups.pop(request.request_id, None)
         self._decisions.pop(request.request_id, None)
         self._remote_wait_until.pop(request.request_id, None)
+        self._load_failed_at_tokens.pop(request.request_id, None)
         self._release_leases(request.request_id)
         params = getattr(request, "kv_transfer_params", None)
         if not isinstance(params, dict) or not (params.get("do_remote_decode") or params.get("range_describe")):

@@ -104,7 +104,7 @@ class RangeWorker:
         # there on may be saved in this step (vLLM recomputes those blocks and they are saved then).
         self._failed_from_chunk: dict[str, int] = {}
         self._failed_loads: list[tuple[str, int]] = []
-        self._load_timings: list[tuple[tuple[str, ...], int, float]] = []
+        self._load_timings: list[tuple[tuple[str, ...], int, float, bool]] = []
         #: block ids written by loads since :meth:`take_loaded_block_log` last ran (for inspection and tests).
         self.loaded_block_log: list[int] = []
         #: ``(shard_idx, ticket key)`` of the chunks that step read.
@@ -213,9 +213,14 @@ class RangeWorker:
         self._finish_load(job.reqs, job.failed_from, job.done)
         ready = [t for t in job.layer_ready_s if t is not None]
         num_blocks = sum(len(dst) for _h, _s, dst in job.done)
+        req_ids = tuple(r.req_id for r in job.reqs)
         if ready and num_blocks and not job.failed_from and self.layout is not None:
             per_shard = num_blocks * self.layout.block_bytes // max(1, self.plan.num_shards)
-            self._load_timings.append((tuple(r.req_id for r in job.reqs), per_shard, max(ready) - job.started_s))
+            self._load_timings.append((req_ids, per_shard, max(ready) - job.started_s, True))
+        elif job.deadline_missed and self.layout is not None:  # how long the tier took at least, for the gate
+            planned = sum(len(c.block_ids) for r in job.reqs for c in r.chunks)
+            per_shard = planned * self.layout.block_bytes // max(1, self.plan.num_shards)
+            self._load_timings.append((req_ids, per_shard, time.monotonic() - job.started_s, False))
         self._loaded_reqs.extend(r.req_id for r in job.reqs)
         self.load_timelines.append({
             "mode": job.mode, "started_s": job.started_s, "layer_ready_s": list(job.layer_ready_s),
@@ -251,6 +256,7 @@ class RangeWorker:
                 self._record_job(job)
             elif now > job.deadline + self.config.backend_timeout_s:
                 job.cancel()  # the delivery thread overran its deadline: nothing more is written
+                job.deadline_missed = True
                 self.stats["load_deadline_misses"] += 1
                 for req in job.reqs:
                     if req.chunks:

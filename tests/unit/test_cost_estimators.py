@@ -108,6 +108,21 @@ def test_loads_of_one_size_predict_that_size_exactly() -> None:
     assert got.bandwidth_bytes_per_s == pytest.approx(5e8, rel=0.1)
 
 
+def test_a_load_that_ran_out_of_time_teaches_only_that_the_tier_is_slower() -> None:
+    # A load cut off at its deadline took at least that long: faster than predicted says nothing (ignored);
+    # slower than predicted is learnt (the tier that timed out is not offered the same hit on the old estimate).
+    est = TierEstimator({}, TierEstimate(1e9, 0.01), alpha=0.3)
+    n = 96 * MiB
+    seeded = est.estimate("file", 0)
+    predicted = seeded.t0_s + n / seeded.bandwidth_bytes_per_s
+    est.observe("file", 0, n, predicted / 2, lower_bound=True)
+    assert est.num_samples("file", 0) == 0 and est.estimate("file", 0) == seeded
+    est.observe("file", 0, n, 4 * predicted, lower_bound=True)
+    got = est.estimate("file", 0)
+    assert est.num_samples("file", 0) == 1
+    assert got.t0_s + n / got.bandwidth_bytes_per_s >= 3 * predicted
+
+
 def test_tier_estimates_stay_within_bounds() -> None:
     est = TierEstimator({}, TierEstimate(1e9, 0.001))
     for _ in range(30):

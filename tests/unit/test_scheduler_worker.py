@@ -1278,6 +1278,40 @@ def test_load_past_its_deadline_is_reported_failed_and_returns_in_time(mode: str
 
 
 @pytest.mark.timeout(30)
+def test_load_that_ran_out_of_time_is_neither_offered_again_nor_saved_twice() -> None:
+    # vLLM reschedules a request whose load failed (an asynchronous one through the waiting queue, where the
+    # connector is asked again): offering it the same slow hit again loops until the client gives up. Its stored
+    # chunks are still stored (only the load was late): recomputing them must not write them a second time.
+    deadline_s, backend_s = 0.1, 0.3
+    inner = shard_backends(1, 1)
+    flaky = wrap(inner)
+    prompt = prompt_tokens(150, seed=39)
+    a, _ = produce(inner, prompt)
+    b = Engine(flaky, load_deadline_s=deadline_s, backend_timeout_s=backend_s, seed=15)  # type: ignore[arg-type]
+    req = FakeRequest("B-0", prompt)
+    assert b.admit(req) == 128
+    flaky[0].read_delay_s = backend_s
+    res = b.step(forward=False)
+    assert res.invalid_block_ids == set(b.running["B-0"].block_ids[:8])
+    # The worker tells the gate how long the tier took at least (a censored sample: the planned bytes).
+    assert res.worker_meta is not None
+    [(req_ids, shard_bytes, seconds, complete)] = res.worker_meta.load_timings
+    assert req_ids == ("B-0",) and not complete and seconds >= deadline_s and shard_bytes > 0
+    flaky[0].read_delay_s = 0.0
+    b.preempt("B-0")  # rescheduled: looked up again
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert b.sched.stats["reoffers_refused"] == 1
+    writes_before = flaky[0].calls["write_stripe"]
+    assert b.admit(req) == 0
+    res2 = b.step()  # the whole prompt is recomputed; its 4 stored chunks are not saved again
+    assert res2.meta.saves == [] and flaky[0].calls["write_stripe"] == writes_before
+    # Another request for the same prompt is offered the stored chunks.
+    assert b.sched.get_num_new_matched_tokens(FakeRequest("B-1", prompt), 0) == (128, False)
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(30)
 def test_no_load_read_starts_after_the_deadline() -> None:
     # The reader thread fills banks shard after shard with no deadline check: once the consumer has given up, the
     # frozen tier is still asked (one backend_timeout_s each), and the next step's fills queue behind those calls.
