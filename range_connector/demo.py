@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = [f"{r.label}: {r.summary['num_errors']} of {r.summary['num_requests']} requests failed "
                   f"({', '.join(f'{k} x{v}' for k, v in r.summary['errors'].items())})"
                   for r in reports if r.summary["num_errors"]]
-        if pd_report.engine is None or pd_report.engine.external_hit_tokens <= 0:
+        check = pd_report.engine.connector_check if pd_report.engine is not None else None
+        if check is None or check["loaded_tokens"] <= 0:  # Range's verified count, not vLLM's admission count
             failed.append("range-pd: the decode engine loaded no token from the tier")
         if failed:
             print(f"FAILED: {'; '.join(failed)}", flush=True)
