@@ -29,7 +29,6 @@ from range_connector.metrics import (
 from range_connector.namespace import ChunkHash
 from range_connector.replay_metrics import RANGE_COUNTERS, connector_check, engine_counts, snapshot_metrics
 from tests.unit.test_scheduler_worker import (
-    BLOCK,
     Engine,
     FakeRequest,
     flip_byte,
@@ -137,7 +136,8 @@ def test_load_past_its_deadline_is_counted_as_failed(mode: str) -> None:
     prompt = prompt_tokens(150, seed=86)
     a, _ = produce(inner, prompt)
     flaky = wrap(inner)
-    b = Engine(flaky, seed=87, load_mode=mode, load_deadline_s=0.2, backend_timeout_s=0.5)  # type: ignore[arg-type]
+    b = Engine(flaky, seed=87, load_mode=mode, load_deadline_s=0.2,  # type: ignore[arg-type]
+               backend_timeout_s=0.5)
     for f in flaky:
         f.read_hang_s = 0.5
     if mode == "async":
