@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from range_connector import compat
 from range_connector.config import RangeConfig
 from range_connector.metadata import RangeConnectorMetadata, RangeWorkerMetadata
-from range_connector.metrics import RangeConnectorStats, stats_delta
+from range_connector.metrics import RangeConnectorStats, RangePromMetrics, stats_delta
 from range_connector.namespace import FORMAT_VERSION, namespace_fingerprint
 from range_connector.scheduler import RangeScheduler
 from range_connector.sharding import ShardPlan, deployment_plan, shards_of_rank
@@ -170,13 +170,18 @@ class RangeConnector(KVConnectorBase_V1):
         return self._worker.build_worker_meta()
 
     def get_kv_connector_stats(self) -> RangeConnectorStats | None:
-        half = self._worker if self._worker is not None else self._scheduler
-        delta = stats_delta(dict(half.stats), self._last_stats)
+        current = dict(self._worker.stats) if self._worker is not None else self._scheduler.counters()
+        delta = stats_delta(current, self._last_stats)
         return RangeConnectorStats(data=delta) if delta else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RangeConnectorStats:
         return RangeConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> RangePromMetrics:
+        return RangePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -202,7 +207,8 @@ class RangeConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        self._scheduler.update_connector_output(meta if isinstance(meta, RangeWorkerMetadata) else None)
+        self._scheduler.update_connector_output(meta if isinstance(meta, RangeWorkerMetadata) else None,
+                                                set(connector_output.finished_recving or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)

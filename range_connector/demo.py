@@ -218,9 +218,9 @@ def decode_engine_view(engine: EngineCounts | None, decode_url: str) -> EngineCo
     """The engine counts of a P/D replay as the decode engine saw them.
 
     vLLM counts a P/D prompt on both engines, so sums over both halve every share. This keeps the decode engine's
-    entry of ``per_engine`` as ``totals`` and shares (tier hits / prompt tokens), its mean TTFT from the
-    ``_sum``/``_count`` counters (its histogram is not kept per engine: percentiles become ``None``), and both
-    engines' sums under ``extra["both_engines"]``.
+    entry of ``per_engine`` as ``totals`` (the connector check and the verified tier share follow from them) and
+    shares (tier hits / prompt tokens), its own TTFT (``extra["per_engine_ttft_s"]``; without it, the mean from the
+    ``_sum``/``_count`` counters and no percentiles), and both engines' sums under ``extra["both_engines"]``.
 
     Args:
         engine: ``ReplayReport.engine`` (a :class:`range_connector.replay_metrics.EngineCounts`), or ``None``.
@@ -233,10 +233,11 @@ def decode_engine_view(engine: EngineCounts | None, decode_url: str) -> EngineCo
         return engine
     decode = dict(engine.per_engine[decode_url])
     prompt, count = decode["prompt_tokens"], decode["engine_ttft_count"]
+    ttft = engine.extra.get("per_engine_ttft_s", {}).get(decode_url) or {
+        "count": count, "mean": decode["engine_ttft_sum_s"] / count if count else None,
+        "p50": None, "p90": None, "p99": None}
     return dataclasses.replace(
-        engine, totals=decode,
-        engine_ttft_s={"count": count, "mean": decode["engine_ttft_sum_s"] / count if count else None,
-                       "p50": None, "p90": None, "p99": None},
+        engine, totals=decode, engine_ttft_s=dict(ttft),
         external_hit_share=decode["external_hit_tokens"] / prompt if prompt else None,
         local_hit_share=decode["local_hit_tokens"] / prompt if prompt else None,
         extra={**engine.extra, "engine_rows_from": f"decode engine {decode_url}",
@@ -401,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = [f"{r.label}: {r.summary['num_errors']} of {r.summary['num_requests']} requests failed "
                   f"({', '.join(f'{k} x{v}' for k, v in r.summary['errors'].items())})"
                   for r in reports if r.summary["num_errors"]]
-        if pd_report.engine is None or pd_report.engine.external_hit_tokens <= 0:
+        check = pd_report.engine.connector_check if pd_report.engine is not None else None
+        if check is None or check["loaded_tokens"] <= 0:  # Range's verified count, not vLLM's admission count
             failed.append("range-pd: the decode engine loaded no token from the tier")
         if failed:
             print(f"FAILED: {'; '.join(failed)}", flush=True)

@@ -1,23 +1,41 @@
-"""Connector statistics carried from workers to vLLM's stats loggers."""
+"""Connector statistics carried from workers (and the scheduler) to vLLM's stats loggers, and their Prometheus form.
+
+How the counters travel (vLLM 0.32): each worker's ``get_kv_connector_stats`` is called at the end of every step
+(``v1/worker/kv_connector_model_runner_mixin.py``), the workers' stats are summed by ``KVOutputAggregator``
+(``kv_connector/utils.py``), the scheduler adds its own (``Scheduler.update_from_output``, after
+``update_connector_output``), and the sum rides in ``SchedulerStats.kv_connector_stats`` to the front end, where
+``PrometheusStatLogger`` hands it to :meth:`RangePromMetrics.observe` with the engine's index.
+
+Tokens are counted once per engine, on the scheduler side (:class:`LoadTally`): a load is settled when the
+workers' metadata says how it ended, with failures from every worker merged the way vLLM merges invalid blocks.
+Blocks and bytes are counted by each worker (the sum over workers is the engine's traffic).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from range_connector.metadata import ChunkTransfer
 
 
 @dataclass
 class RangeConnectorStats(KVConnectorStats):
     """Counters of one interval (``data``: name -> count), summed across workers and steps.
 
-    Names: ``loaded_blocks``, ``loaded_tokens``, ``loaded_bytes``, ``failed_blocks``, ``saved_chunks``,
-    ``saved_bytes``, ``save_errors``, ``load_backend_errors``, ``load_integrity_errors``, ``load_deadline_misses``.
-    The cost-model gate's counters (scheduler side, :meth:`range_connector.cost_estimators.DecisionStats.snapshot`):
-    ``decisions_taken``, ``decisions_shortened``, ``decisions_refused``, ``decisions_probes``, ``loads_async``,
-    ``loads_pipelined``, and ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as
-    floats).
+    Worker names: ``loaded_blocks``, ``loaded_bytes``, ``failed_blocks``, ``saved_chunks``, ``saved_bytes``,
+    ``save_errors``, ``load_backend_errors``, ``load_integrity_errors``, ``load_deadline_misses``. Scheduler names:
+    ``lookups``, ``promised_tokens``, ... and the token tally (:class:`LoadTally`: ``loaded_tokens``,
+    ``failed_tokens``, ``aborted_tokens``, ``preempted_load_tokens``). The cost-model gate's counters (scheduler
+    side, :meth:`range_connector.cost_estimators.DecisionStats.snapshot`): ``decisions_taken``,
+    ``decisions_shortened``, ``decisions_refused``, ``decisions_probes``, ``loads_async``, ``loads_pipelined``, and
+    ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as floats).
     """
 
     def reset(self) -> None:
@@ -35,8 +53,153 @@ class RangeConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def stats_delta(current: dict[str, int], last: dict[str, int]) -> dict[str, Any]:
+def stats_delta(current: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     """Counters that changed since ``last`` (which is updated in place)."""
     delta = {k: v - last.get(k, 0) for k, v in current.items() if v != last.get(k, 0)}
     last.update(current)
     return delta
+
+
+# ------------------------------------------------------------------------------------------ tokens, once per engine
+def tokens_per_chunk(chunks: Sequence[ChunkTransfer], first_token: int, num_tokens: int, block_size: int,
+                     blocks_per_chunk: int) -> list[tuple[int, int]]:
+    """``[(chunk_idx, tokens)]``: the promised tokens ``[first_token, first_token + num_tokens)`` that fall in each
+    chunk's blocks (block ``p`` of chunk ``c`` holds tokens ``[(c * blocks_per_chunk + p) * block_size, ... +
+    block_size)``; a load that ends inside a block, a stored tail, counts only the promised tokens of it)."""
+    end_token = first_token + num_tokens
+    out = []
+    for c in chunks:
+        n = 0
+        for pos in c.block_positions:
+            start = (c.chunk_idx * blocks_per_chunk + pos) * block_size
+            n += max(0, min(end_token, start + block_size) - max(first_token, start))
+        out.append((c.chunk_idx, n))
+    return out
+
+
+@dataclass
+class _Planned:
+    chunk_tokens: list[tuple[int, int]]  # (chunk_idx, promised tokens in it)
+    is_async: bool
+    preempted: bool
+    finished: bool = False  # vLLM finished the request before the load was reported
+    failed_from: int | None = None
+
+
+@dataclass
+class LoadTally:
+    """Settles every planned load's promised tokens as loaded (every block landed and verified), failed (reported
+    as load errors: vLLM recomputes them) or aborted (an asynchronous load whose request vLLM finished first).
+
+    vLLM counts a request's external hit tokens when it commits to the load (``vllm:external_prefix_cache_hits``,
+    left out for requests it had preempted before), so once every load is settled:
+    ``external hits == loaded + failed + aborted - preempted_load`` (tokens), per engine.
+
+    When a load is settled: a layer-pipelined or synchronous load in the step that ran it (every worker reports it in
+    that step's metadata, ``loaded``); an asynchronous one when vLLM reports it finished (``finished_recving``:
+    every worker is done). Failures of all workers are merged: the request fails from its earliest failed chunk on,
+    as vLLM recomputes from the first invalid block.
+
+    Attributes:
+        counts: ``loaded_tokens``, ``failed_tokens``, ``aborted_tokens`` and ``preempted_load_tokens`` (tokens of
+            settled loads whose request vLLM had preempted before), cumulative.
+    """
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("loaded_tokens", "failed_tokens", "aborted_tokens", "preempted_load_tokens"), 0))
+    _planned: dict[str, _Planned] = field(default_factory=dict)
+
+    def plan(self, req_id: str, chunk_tokens: list[tuple[int, int]], *, is_async: bool, preempted: bool) -> None:
+        """Record the load vLLM committed to (``chunk_tokens`` from :func:`tokens_per_chunk`)."""
+        self._planned[req_id] = _Planned(chunk_tokens, is_async, preempted)
+
+    def request_finished(self, req_id: str) -> None:
+        """vLLM finished the request; an asynchronous load not yet reported was aborted."""
+        planned = self._planned.get(req_id)
+        if planned is not None:
+            planned.finished = True
+
+    def settle(self, loaded_req_ids: Iterable[str], failed_loads: Iterable[tuple[str, int]],
+               finished_recving: Iterable[str] = ()) -> None:
+        """Take one step's reports: the workers' merged ``failed_loads`` ``(req_id, chunk_idx)`` and ``loaded``
+        request ids (metadata), and vLLM's ``finished_recving`` (asynchronous loads every worker finished)."""
+        for req_id, chunk_idx in failed_loads:
+            planned = self._planned.get(req_id)
+            if planned is not None:
+                planned.failed_from = chunk_idx if planned.failed_from is None else min(planned.failed_from, chunk_idx)
+        ended = [r for r in loaded_req_ids if r in self._planned and not self._planned[r].is_async]
+        ended += [r for r in finished_recving if r in self._planned and self._planned[r].is_async]
+        for req_id in ended:
+            planned = self._planned.pop(req_id)
+            total = sum(n for _, n in planned.chunk_tokens)
+            if planned.is_async and planned.finished:
+                self.counts["aborted_tokens"] += total
+            else:
+                failed = 0 if planned.failed_from is None else \
+                    sum(n for c, n in planned.chunk_tokens if c >= planned.failed_from)
+                self.counts["failed_tokens"] += failed
+                self.counts["loaded_tokens"] += total - failed
+            if planned.preempted:
+                self.counts["preempted_load_tokens"] += total
+
+    @property
+    def num_unsettled(self) -> int:
+        """Planned loads not yet settled (0 when idle)."""
+        return len(self._planned)
+
+
+# ------------------------------------------------------------------------------------------ Prometheus
+#: stats key -> (Prometheus name, help). Names start with ``vllm:`` because vLLM's metric reader
+#: (``LLM.get_metrics``) shows only those and ``unregister_vllm_metrics`` drops only those before a stats logger
+#: registers its metrics again (another prefix would raise "Duplicated timeseries" on the second engine in one
+#: process). prometheus_client exports each counter with ``_total`` appended.
+PROM_COUNTERS: dict[str, tuple[str, str]] = {
+    "loaded_tokens": ("vllm:range_loaded_tokens",
+                      "Prompt tokens whose KV Range loaded and verified (every block landed, checksums matched)."),
+    "failed_tokens": ("vllm:range_failed_tokens",
+                      "Prompt tokens Range promised but reported as load errors; vLLM recomputed them."),
+    "aborted_tokens": ("vllm:range_aborted_tokens",
+                       "Prompt tokens of asynchronous loads whose request was finished (aborted) before they landed."),
+    "preempted_load_tokens": ("vllm:range_preempted_load_tokens",
+                              "Prompt tokens loaded (or failed) for requests vLLM had preempted before; vLLM leaves "
+                              "them out of vllm:external_prefix_cache_hits."),
+    "loaded_bytes": ("vllm:range_loaded_bytes", "Bytes of KV Range copied into the KV cache (all workers)."),
+    "saved_chunks": ("vllm:range_saved_chunks", "Chunks Range saved on every shard."),
+    "load_deadline_misses": ("vllm:range_load_deadline_misses",
+                             "Loads (or layer groups of them) given up at their deadline; their blocks recomputed."),
+    "load_integrity_errors": ("vllm:range_load_integrity_errors",
+                              "Stored values that failed their size or checksum check on load; their chunks "
+                              "recomputed and forgotten."),
+    "load_backend_errors": ("vllm:range_load_backend_errors",
+                            "Tier calls of loads that failed or timed out; their chunks recomputed."),
+}
+#: the cost-model gate's decisions, one counter with a ``decision`` label (stats key -> label value)
+PROM_GATE = ("vllm:range_gate_decisions", "Hits the cost-model gate took, shortened or refused, and its probes.")
+GATE_DECISIONS: dict[str, str] = {"decisions_taken": "taken", "decisions_shortened": "shortened",
+                                  "decisions_refused": "refused", "decisions_probes": "probe"}
+
+
+class RangePromMetrics(KVConnectorPromMetrics):
+    """Range's counters on vLLM's ``/metrics`` (:data:`PROM_COUNTERS`, :data:`PROM_GATE`), one child per engine
+    (labels ``model_name``, ``engine``, as vLLM's own). Built by ``RangeConnector.build_prom_metrics`` in the
+    process that serves ``/metrics``."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        gate = self._counter_cls(name=PROM_GATE[0], documentation=PROM_GATE[1], labelnames=[*labelnames, "decision"])
+        for key, decision in GATE_DECISIONS.items():
+            self._counters[key] = {idx: gate.labels(*values, decision)
+                                   for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's counts (:class:`RangeConnectorStats` data) to engine ``engine_idx``'s counters; other
+        keys are ignored."""
+        for key, value in transfer_stats_data.items():
+            children = self._counters.get(key)
+            if children is not None and value > 0 and engine_idx in children:
+                children[engine_idx].inc(value)

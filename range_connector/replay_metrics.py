@@ -6,9 +6,12 @@ families are read per label as well: ``vllm:time_to_first_token_seconds_bucket``
 percentiles) and ``vllm:prompt_tokens_by_source_total`` (per ``source``: ``local_compute``, ``local_cache_hit``,
 ``external_kv_transfer``).
 
-The share of prompt tokens served from the tier is ``external hits / prompt tokens``: vLLM counts a prompt's
-tokens once per engine that prefills it, and its external hits at admission (``vllm:external_prefix_cache_hits``:
-tokens the connector promised to load).
+vLLM counts a prompt's tokens once per engine that prefills it, and its external hits at admission
+(``vllm:external_prefix_cache_hits``: tokens the connector promised to load, whether or not they then arrived).
+Range's own counters (``vllm:range_*``, :mod:`range_connector.metrics`) say how each promise ended: loaded and
+verified, failed (vLLM recomputed those tokens) or aborted. :func:`connector_check` compares the two counts, and
+the share of prompt tokens served from the tier is Range's verified count over prompt tokens
+(:attr:`EngineCounts.served_from_tier_share`); vLLM's admission share stays as ``external_hit_share``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ from typing import Any
 
 from range_connector.launch import scrape_metrics
 
-__all__ = ["COUNTERS", "EngineCounts", "MetricsSnapshot", "engine_counts", "histogram_quantile",
-           "settle_metrics", "snapshot_metrics"]
+__all__ = ["COUNTERS", "RANGE_COUNTERS", "EngineCounts", "MetricsSnapshot", "connector_check", "engine_counts",
+           "histogram_quantile", "settle_metrics", "snapshot_metrics"]
 
+#: Range's token counters (:data:`range_connector.metrics.PROM_COUNTERS`), report key -> sample name; an engine
+#: that exports ``range_loaded_tokens`` runs Range.
+RANGE_COUNTERS: dict[str, str] = {
+    "range_loaded_tokens": "vllm:range_loaded_tokens_total",
+    "range_failed_tokens": "vllm:range_failed_tokens_total",
+    "range_aborted_tokens": "vllm:range_aborted_tokens_total",
+    "range_preempted_load_tokens": "vllm:range_preempted_load_tokens_total",
+}
 #: Report key -> vLLM sample name (counters in tokens unless the key says otherwise).
 COUNTERS: dict[str, str] = {
     "prompt_tokens": "vllm:prompt_tokens_total",
@@ -36,6 +47,7 @@ COUNTERS: dict[str, str] = {
     "num_finished_requests": "vllm:request_success_total",
     "engine_ttft_count": "vllm:time_to_first_token_seconds_count",
     "engine_ttft_sum_s": "vllm:time_to_first_token_seconds_sum",
+    **RANGE_COUNTERS,
 }
 TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
 PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -161,6 +173,30 @@ def histogram_quantile(q: float, cumulative: Mapping[float, float]) -> float | N
     return lower_bound
 
 
+def connector_check(counts: Mapping[str, float]) -> dict[str, Any]:
+    """vLLM's external hit tokens against Range's own account of the same promises (one engine, or a sum).
+
+    vLLM counts a hit when it commits to the load; Range settles each load as loaded and verified, failed (vLLM
+    recomputed it) or aborted, and counts separately the tokens of requests vLLM had preempted before (vLLM leaves
+    those out of its hits). So once every load is settled, ``external hits == loaded + failed + aborted -
+    preempted`` (:class:`range_connector.metrics.LoadTally`).
+
+    Args:
+        counts: :data:`COUNTERS` keys -> tokens (deltas).
+
+    Returns:
+        ``external_hit_tokens``, ``loaded_tokens``, ``failed_tokens``, ``aborted_tokens``,
+        ``preempted_load_tokens``, ``difference_tokens`` (hits minus Range's account) and ``agrees``.
+    """
+    out = {"external_hit_tokens": round(counts.get("external_hit_tokens", 0.0))}
+    for key in RANGE_COUNTERS:
+        out[key.removeprefix("range_")] = round(counts.get(key, 0.0))
+    accounted = out["loaded_tokens"] + out["failed_tokens"] + out["aborted_tokens"] - out["preempted_load_tokens"]
+    out["difference_tokens"] = out["external_hit_tokens"] - accounted
+    out["agrees"] = out["difference_tokens"] == 0
+    return out
+
+
 @dataclass
 class EngineCounts:
     """What the engines counted between two readings (tokens unless the name says otherwise).
@@ -171,8 +207,10 @@ class EngineCounts:
         prompt_by_source: ``{source: tokens}`` summed over engines.
         engine_ttft_s: Engine TTFT from the histogram delta: ``count``, ``mean`` and ``p50``/``p90``/``p99``
             (see :func:`histogram_quantile`), seconds.
-        external_hit_share: ``external_hit_tokens / prompt_tokens`` (``None`` without prompt tokens).
+        external_hit_share: ``external_hit_tokens / prompt_tokens``: what vLLM admitted from the connector
+            (``None`` without prompt tokens).
         local_hit_share: ``local_hit_tokens / prompt_tokens``.
+        range_engines: URLs of the engines that export Range's counters (empty: no Range connector).
     """
 
     totals: dict[str, float]
@@ -182,10 +220,11 @@ class EngineCounts:
     external_hit_share: float | None
     local_hit_share: float | None
     extra: dict[str, Any] = field(default_factory=dict)
+    range_engines: tuple[str, ...] = ()
 
     @property
     def external_hit_tokens(self) -> int:
-        """Tokens the connector served (vLLM's external prefix-cache hits)."""
+        """Tokens vLLM admitted as the connector's (external prefix-cache hits; promised, not necessarily loaded)."""
         return round(self.totals["external_hit_tokens"])
 
     @property
@@ -193,36 +232,61 @@ class EngineCounts:
         """Prompt tokens the engines prefilled (computed or cached)."""
         return round(self.totals["prompt_tokens"])
 
+    @property
+    def connector_check(self) -> dict[str, Any] | None:
+        """:func:`connector_check` of :attr:`totals`; ``None`` without Range."""
+        return connector_check(self.totals) if self.range_engines else None
+
+    @property
+    def served_from_tier_share(self) -> float | None:
+        """Prompt tokens Range loaded and verified over prompt tokens; ``None`` without Range or prompt tokens."""
+        prompt = self.totals["prompt_tokens"]
+        return self.totals["range_loaded_tokens"] / prompt if self.range_engines and prompt else None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"totals": self.totals, "per_engine": self.per_engine, "prompt_by_source": self.prompt_by_source,
                 "engine_ttft_s": self.engine_ttft_s, "external_hit_share": self.external_hit_share,
-                "local_hit_share": self.local_hit_share, **self.extra}
+                "local_hit_share": self.local_hit_share, "served_from_tier_share": self.served_from_tier_share,
+                "connector_check": self.connector_check,
+                "connector_check_per_engine": {url: connector_check(self.per_engine[url])
+                                               for url in self.range_engines if url in self.per_engine},
+                "range_engines": list(self.range_engines), **self.extra}
+
+
+def _ttft(count: float, sum_s: float, buckets: Mapping[float, float]) -> dict[str, float | None]:
+    ttft: dict[str, float | None] = {"count": count, "mean": sum_s / count if count else None}
+    for q in _QUANTILES:
+        ttft[f"p{round(q * 100)}"] = histogram_quantile(q, buckets)
+    return ttft
 
 
 def engine_counts(before: MetricsSnapshot, after: MetricsSnapshot) -> EngineCounts:
     """Deltas between two readings of the same engines (see :class:`EngineCounts`). Only engines read both times
-    count; the others are listed in ``extra["unreadable_engines"]`` with the reason."""
+    count; the others are listed in ``extra["unreadable_engines"]`` with the reason. Each engine's own TTFT
+    (histogram percentiles included) is in ``extra["per_engine_ttft_s"]``."""
     readable = [url for url in after.counters if url in before.counters]
     per_engine = {url: {key: after.counters[url].get(name, 0.0) - before.counters[url].get(name, 0.0)
                         for key, name in COUNTERS.items()} for url in readable}
     totals = {key: sum(d[key] for d in per_engine.values()) for key in COUNTERS}
     sources: dict[str, float] = {}
     buckets: dict[float, float] = {}
+    per_engine_ttft: dict[str, dict[str, float | None]] = {}
     for url in readable:
         for source, value in after.prompt_by_source[url].items():
             sources[source] = sources.get(source, 0.0) + value - before.prompt_by_source.get(url, {}).get(source, 0.0)
-        for le, value in after.ttft_buckets[url].items():
-            buckets[le] = buckets.get(le, 0.0) + value - before.ttft_buckets.get(url, {}).get(le, 0.0)
-    count = totals["engine_ttft_count"]
-    ttft: dict[str, float | None] = {"count": count, "mean": totals["engine_ttft_sum_s"] / count if count else None}
-    for q in _QUANTILES:
-        ttft[f"p{round(q * 100)}"] = histogram_quantile(q, buckets)
+        earlier = before.ttft_buckets.get(url, {})
+        mine = {le: value - earlier.get(le, 0.0) for le, value in after.ttft_buckets[url].items()}
+        for le, value in mine.items():
+            buckets[le] = buckets.get(le, 0.0) + value
+        per_engine_ttft[url] = _ttft(per_engine[url]["engine_ttft_count"], per_engine[url]["engine_ttft_sum_s"], mine)
     prompt = totals["prompt_tokens"]
     return EngineCounts(
-        totals=totals, per_engine=per_engine, prompt_by_source=sources, engine_ttft_s=ttft,
+        totals=totals, per_engine=per_engine, prompt_by_source=sources,
+        engine_ttft_s=_ttft(totals["engine_ttft_count"], totals["engine_ttft_sum_s"], buckets),
         external_hit_share=totals["external_hit_tokens"] / prompt if prompt else None,
         local_hit_share=totals["local_hit_tokens"] / prompt if prompt else None,
         extra={"span_s": after.taken_at_s - before.taken_at_s,
-               "unreadable_engines": {**before.errors, **after.errors}},
+               "unreadable_engines": {**before.errors, **after.errors}, "per_engine_ttft_s": per_engine_ttft},
+        range_engines=tuple(url for url in readable if RANGE_COUNTERS["range_loaded_tokens"] in after.counters[url]),
     )

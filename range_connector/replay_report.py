@@ -14,15 +14,20 @@ from typing import Any
 
 from range_connector.replay import ReplayReport
 
-__all__ = ["comparison_rows", "format_comparison", "ratios", "same_outputs", "write_json", "write_plots"]
+__all__ = ["check_cell", "comparison_rows", "format_comparison", "ratios", "same_outputs", "write_json", "write_plots"]
+
+#: the row that says whether vLLM's external hits equal Range's loaded + failed tokens
+_CHECK_ROW = "  hits == loaded + failed"
 
 # (row label, path into ReplayReport.to_dict(), format, lower is better?)
 _ROWS: tuple[tuple[str, tuple[str, ...], str, bool | None], ...] = (
     ("requests ok / sent", ("summary", "num_ok"), "d", None),
     ("errors", ("summary", "num_errors"), "d", True),
     ("TTFT p50 (s)", ("summary", "ttft_s", "p50"), ".3f", True),
+    ("  engine's histogram p50 (s)", ("engine", "engine_ttft_s", "p50"), ".3f", True),
     ("TTFT p90 (s)", ("summary", "ttft_s", "p90"), ".3f", True),
     ("TTFT p99 (s)", ("summary", "ttft_s", "p99"), ".3f", True),
+    ("  engine's histogram p99 (s)", ("engine", "engine_ttft_s", "p99"), ".3f", True),
     ("TPOT p50 (s)", ("summary", "tpot_s", "p50"), ".4f", True),
     ("TPOT p99 (s)", ("summary", "tpot_s", "p99"), ".4f", True),
     ("E2E p50 (s)", ("summary", "e2e_s", "p50"), ".3f", True),
@@ -32,13 +37,16 @@ _ROWS: tuple[tuple[str, tuple[str, ...], str, bool | None], ...] = (
     ("total tokens/s", ("summary", "total_tokens_per_s"), ".1f", False),
     ("engine prompt tokens", ("engine", "totals", "prompt_tokens"), ".0f", None),
     ("local prefix-cache hit tokens", ("engine", "totals", "local_hit_tokens"), ".0f", None),
-    ("external (tier) hit tokens", ("engine", "totals", "external_hit_tokens"), ".0f", None),
+    ("external hit tokens (vLLM, admitted)", ("engine", "totals", "external_hit_tokens"), ".0f", None),
+    ("  loaded and verified (Range)", ("engine", "connector_check", "loaded_tokens"), "d", None),
+    ("  failed, recomputed (Range)", ("engine", "connector_check", "failed_tokens"), "d", None),
+    (_CHECK_ROW, ("engine", "connector_check", "difference_tokens"), "d", None),
     ("cached tokens (client usage)", ("summary", "cached_tokens"), "d", None),
-    ("share served from the tier", ("engine", "external_hit_share"), ".1%", None),
+    ("share served from the tier", ("engine", "served_from_tier_share"), ".1%", None),
+    ("share admitted from the tier (vLLM)", ("engine", "external_hit_share"), ".1%", None),
     ("share from local prefix cache", ("engine", "local_hit_share"), ".1%", None),
     ("engine TTFT mean (s)", ("engine", "engine_ttft_s", "mean"), ".3f", True),
     ("client TTFT mean (s)", ("summary", "ttft_s", "mean"), ".3f", True),
-    ("engine TTFT p99 (s, histogram)", ("engine", "engine_ttft_s", "p99"), ".3f", True),
     ("engines whose /metrics failed", ("engine", "unreadable_engines"), "", None),
 )
 
@@ -97,6 +105,8 @@ def comparison_rows(reports: Sequence[ReplayReport], baseline: str = "none") -> 
                 cells.append(f"{value} / {_get(doc, ('summary', 'num_requests'))}")
             elif name.startswith("engines whose"):
                 cells.append("-" if doc.get("engine") is None else str(len(value or {})))
+            elif name == _CHECK_ROW:
+                cells.append(check_cell(_get(doc, ("engine", "connector_check"))))
             else:
                 cells.append(_fmt(value, spec))
         for i in others:
@@ -105,6 +115,17 @@ def comparison_rows(reports: Sequence[ReplayReport], baseline: str = "none") -> 
             cells.append(f"{value / base:.2f}x" if ok else "")
         rows.append(cells)
     return rows
+
+
+def check_cell(check: dict[str, Any] | None) -> str:
+    """``yes``, or ``NO (hits - accounted: +N)``, for :func:`range_connector.replay_metrics.connector_check`; aborted
+    loads and loads of re-admitted (preempted) requests are named when there are any; ``-`` without Range."""
+    if check is None:
+        return "-"
+    verdict = "yes" if check["agrees"] else f"NO (hits - accounted: {check['difference_tokens']:+d})"
+    extra = [f"{check[k]} {word}" for k, word in (("aborted_tokens", "aborted"),
+                                                  ("preempted_load_tokens", "re-admitted")) if check[k]]
+    return f"{verdict} ({', '.join(extra)})" if extra else verdict
 
 
 def same_outputs(report: ReplayReport, baseline: ReplayReport) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from range_connector.cost_estimators import CostGate
 from range_connector.cost_model import Decision, layout_bytes_per_token
 from range_connector.errors import BackendError
 from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
+from range_connector.metrics import LoadTally, tokens_per_chunk
 from range_connector.namespace import ChunkHash, prefix_hash_chain, request_salt, tail_chunk_hash
 from range_connector.sharding import ShardPlan, common_stored_prefix
 from range_connector.tickets import Ticket, ticket_key
@@ -146,6 +147,8 @@ class RangeScheduler:
         self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
                                       "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
                                       "settings_mismatches": 0, "reoffers_refused": 0}
+        #: promised tokens of each load, settled as loaded, failed or aborted once the workers report it
+        self.tally = LoadTally()
 
     # ---------------------------------------------------------------- lookup
     def _chain(self, request: Request) -> tuple[list[ChunkHash], ChunkHash | None]:
@@ -311,6 +314,8 @@ class RangeScheduler:
             ids = tuple(block_ids[start:end])
             chunk = ChunkTransfer(start // bpc, ChunkHash(b""), tuple(range(len(ids))), ids)
             self._loads.append(RequestTransfer(request.request_id, (chunk,), num_external_tokens, fail=True))
+            self.tally.plan(request.request_id, [(chunk.chunk_idx, num_external_tokens)], is_async=False,
+                            preempted=getattr(request, "num_preemptions", 0) > 0)
             return
         first_token = lookup.num_computed_tokens
         last_token = first_token + num_external_tokens
@@ -330,6 +335,9 @@ class RangeScheduler:
         self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens, mode=lookup.mode,
                                            deadline_s=deadline_s))
         self.stats["promised_tokens"] += num_external_tokens
+        self.tally.plan(request.request_id,
+                        tokens_per_chunk(chunks, first_token, num_external_tokens, self.block_size, bpc),
+                        is_async=lookup.mode == "async", preempted=getattr(request, "num_preemptions", 0) > 0)
         self._take_leases(request.request_id, chunks)
 
     # ---------------------------------------------------------------- leases
@@ -365,6 +373,11 @@ class RangeScheduler:
             except BackendError as exc:
                 self.stats["lease_errors"] += 1
                 logger.warning("Range: lease release on shard %d failed (it expires by itself): %s", s, exc)
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters of this side: :attr:`stats`, the token tally and the gate's decisions."""
+        gate = self.gate.stats.snapshot() if self.gate is not None else {}
+        return {**self.stats, **self.tally.counts, **gate}
 
     @property
     def num_leases(self) -> int:
@@ -444,8 +457,13 @@ class RangeScheduler:
             return None
         return RequestTransfer(state.req_id, tuple(chunks), num_tokens)
 
-    def update_connector_output(self, worker_meta: RangeWorkerMetadata | None) -> None:
-        """Learn completed saves and dropped values (the DRAM tier's index lives here)."""
+    def update_connector_output(self, worker_meta: RangeWorkerMetadata | None,
+                                finished_recving: set[str] | None = None) -> None:
+        """Learn completed saves and dropped values (the DRAM tier's index lives here) and settle the tokens of
+        finished loads (:class:`~range_connector.metrics.LoadTally`; ``finished_recving``: the asynchronous loads
+        vLLM reports finished in this step, every worker done)."""
+        self.tally.settle(worker_meta.loaded if worker_meta else (), worker_meta.failed_loads if worker_meta else (),
+                          finished_recving or ())
         if worker_meta is None:
             return
         dropped = set(worker_meta.dropped)
@@ -492,6 +510,7 @@ class RangeScheduler:
         """
         state = self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self.tally.request_finished(request.request_id)
         self._decisions.pop(request.request_id, None)
         self._remote_wait_until.pop(request.request_id, None)
         self._load_failed_at_tokens.pop(request.request_id, None)

@@ -289,8 +289,7 @@ class RangeWorker:
         for req in reqs:
             if req.req_id in failed_from:
                 self._fail_from(req, failed_from[req.req_id])
-        self.stats["loaded_blocks"] += loaded
-        self.stats["loaded_tokens"] += loaded * self.block_size
+        self.stats["loaded_blocks"] += loaded  # tokens are counted once per engine, by the scheduler (LoadTally)
         self.stats["loaded_bytes"] += loaded * layout.block_bytes
 
     def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:

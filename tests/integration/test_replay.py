@@ -11,7 +11,10 @@ and rounded down to whole blocks. Checked:
   request's ``usage.prompt_tokens_details.cached_tokens`` equals its own expected hit;
 * every request succeeded with a positive TTFT no larger than its end-to-end latency; the engine's TTFT histogram
   counted exactly the measured requests, and its mean is below the client's by less than the request overhead;
-* the report's prompt tokens equal the measured prompts' lengths; the JSON and both PNGs are written.
+* Range's own counters (``vllm:range_*``) say every admitted hit was loaded and verified: ``external hits == loaded
+  + failed`` with nothing failed, and the share served from the tier is the verified count over prompt tokens;
+* the report's prompt tokens equal the measured prompts' lengths; the JSON and both PNGs are written; the table
+  shows the check and the engine's histogram percentiles next to the client's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ pytest.importorskip("httpx")
 
 from range_connector.launch import ServerProcess, connector_config, scrape_metrics  # noqa: E402
 from range_connector.replay import ReplayRequest, build_requests, run_replay  # noqa: E402
-from range_connector.replay_report import format_comparison, write_json, write_plots  # noqa: E402
+from range_connector.replay_report import comparison_rows, format_comparison, write_json, write_plots  # noqa: E402
 from range_connector.synthetic_trace import synthetic_trace  # noqa: E402
 from range_connector.traces import PromptBuilder, normal_vocab_token_ids, prepare_trace  # noqa: E402
 from range_connector.valkey_servers import stop_servers  # noqa: E402
@@ -118,6 +121,11 @@ def test_replay_report_agrees_with_metrics_and_trace(server: ServerProcess, requ
     assert engine.prompt_tokens == measured_prompt_tokens == report.summary["prompt_tokens"]
     assert engine.external_hit_share == pytest.approx(expected_measured / measured_prompt_tokens)
     assert engine.prompt_by_source.get("external_kv_transfer") == pytest.approx(expected_measured)
+    # Range's own count on /metrics: every admitted hit was loaded and verified, none failed.
+    check = engine.connector_check
+    assert check is not None and check["agrees"], check
+    assert (check["loaded_tokens"], check["failed_tokens"]) == (expected_measured, 0)
+    assert engine.served_from_tier_share == pytest.approx(expected_measured / measured_prompt_tokens)
 
     # Per request, the server's usage agrees with the trace (only connector hits: the local cache is off).
     assert [r.cached_tokens for r in report.results] == expected[WARMUP:]
@@ -141,6 +149,11 @@ def test_replay_report_agrees_with_metrics_and_trace(server: ServerProcess, requ
     for png in write_plots(tmp_path / "replay", [report]):
         assert png.stat().st_size > 1000
     table = format_comparison([report])
-    assert "external (tier) hit tokens" in table and str(expected_measured) in table
+    rows = {row[0].strip(): row[1:] for row in comparison_rows([report])}
+    assert rows["external hit tokens (vLLM, admitted)"] == [str(expected_measured)]
+    assert rows["loaded and verified (Range)"] == [str(expected_measured)]
+    assert rows["hits == loaded + failed"] == ["yes"]
+    assert rows["engine's histogram p50 (s)"] == [f"{engine.engine_ttft_s['p50']:.3f}"]
+    assert doc["reports"][0]["engine"]["connector_check"]["agrees"] is True
     print(table)
     print(f"expected hits per request: {expected}")

@@ -78,6 +78,24 @@ def test_decode_engine_view_takes_the_decode_engines_counts() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_decode_engine_view_keeps_the_decode_engines_histogram_and_connector_check() -> None:
+    prefill, decode = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    per_engine = {prefill: _counts(1000, 400, 0, 8.0, 10), decode: _counts(1000, 100, 850, 2.0, 10)}
+    per_engine[decode].update(range_loaded_tokens=800, range_failed_tokens=50)
+    totals = {key: per_engine[prefill][key] + per_engine[decode][key] for key in COUNTERS}
+    own = {prefill: {"count": 10, "mean": 0.8, "p50": 0.7, "p90": 1.0, "p99": 1.2},
+           decode: {"count": 10, "mean": 0.2, "p50": 0.15, "p90": 0.3, "p99": 0.4}}
+    both = EngineCounts(totals=totals, per_engine=per_engine, prompt_by_source={},
+                        engine_ttft_s={"count": 20, "mean": 0.5, "p50": 0.4, "p90": 0.9, "p99": 1.0},
+                        external_hit_share=850 / 2000, local_hit_share=500 / 2000,
+                        extra={"span_s": 1.0, "per_engine_ttft_s": own}, range_engines=(prefill, decode))
+    view = decode_engine_view(both, decode)
+    assert view.engine_ttft_s == own[decode]
+    assert view.connector_check["loaded_tokens"] == 800 and view.connector_check["agrees"]
+    assert view.served_from_tier_share == pytest.approx(0.80)
+
+
+@pytest.mark.timeout(30)
 def test_an_unreadable_trace_fails_in_one_line_before_starting_anything(tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "missing.jsonl"

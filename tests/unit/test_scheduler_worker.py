@@ -417,7 +417,7 @@ class Engine:
         finished_recving = self.worker.get_finished(set(self.finished_req_ids))  # mixin L94
         invalid = self.worker.take_failed_block_ids()  # mixin L100
         worker_meta = self.worker.build_worker_meta()  # mixin L104
-        self.sched.update_connector_output(worker_meta)  # scheduler.py L3219
+        self.sched.update_connector_output(worker_meta, finished_recving)  # scheduler.py L3219
         for req_id, n in self._scheduled.items():
             self.running[req_id].num_computed_tokens += n
         self._new, self._cached, self._scheduled = [], [], {}
