@@ -21,8 +21,9 @@ between cells while the engines run.
    bandwidth is ``B_be(n) = h·s / (C(0, n) - T0)`` (``C``: the fitted prefill time; ``B_be → B* = s·R`` for long
    prompts and small ``T0``). The grid's delivered bandwidths are ``--speed-factors`` times the geometric mean of
    ``B_be`` over the lengths; the wrapper's cap giving a delivered ``B`` is ``1/(1/B - 1/B0)``.
-3. **Grid.** Per (bandwidth, length) cell, a fresh prompt is sent once to ``always`` and ``gate`` (not measured:
-   it is computed and stored), then ``--runs`` rounds, each sending the prompt to the three engines in rotated
+3. **Grid.** After each change of bandwidth, ``--settle-requests`` unmeasured loads let the gate learn the new
+   speed (the cells measure its decisions; the slow-tier scenario, its adaptation). Per (bandwidth, length) cell,
+   a fresh prompt is sent once to ``always`` and ``gate`` (not measured: it is computed and stored), then ``--runs`` rounds, each sending the prompt to the three engines in rotated
    order, vLLM's own prefix cache emptied before every request (``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE``);
    ``max_tokens = 1``; TTFT as the client sees it; tokens loaded per request from the ``/metrics`` counter
    ``vllm:external_prefix_cache_hits_total``. Per cell: medians, the oracle ``min(always, never)``, the gate's ratio
@@ -187,6 +188,7 @@ def run_grid(engines: dict[str, Engine], control_file: Path, cal: dict[str, Any]
         cap = cap_for(delivered, b0)
         delivered = b0 if cap == 0 else 1.0 / (1.0 / cap + 1.0 / b0)
         set_tier(control_file, cap)
+        settle_gate(engines["gate"], args, vocab, rng)
         for n in args.lengths:
             ids = fresh_prompt(rng, n, vocab)
             for way in ("always", "gate"):
@@ -212,6 +214,19 @@ def run_grid(engines: dict[str, Engine], control_file: Path, cal: dict[str, Any]
                 f"gate {cell['gate_ttft_s'] * 1e3:7.1f} ms ({cell['gate_over_oracle']:.3f} x oracle), "
                 f"gate loaded {cell['gate_loaded_tokens']}")
     return cells
+
+
+def settle_gate(gate: Engine, args: argparse.Namespace, vocab: int, rng: np.random.Generator) -> None:
+    """After the tier's speed changed: ``--settle-requests`` unmeasured loads of one stored prompt, so the cells
+    measure the gate's decisions at a known speed, not its adaptation to the change (the slow-tier scenario measures
+    that). A refusing gate re-measures the tier only by probes, at most one per ``probe_every_refusals`` offers:
+    the default is enough for one probe and the decision after it."""
+    if args.settle_requests <= 0:
+        return
+    ids = fresh_prompt(rng, args.lengths[len(args.lengths) // 2], vocab)
+    gate.send(ids, args.request_timeout_s)  # computes and stores it
+    for _ in range(args.settle_requests):
+        gate.send(ids, args.request_timeout_s)
 
 
 def summarise_grid(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -325,6 +340,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="delivered bandwidths as multiples of the mean break-even bandwidth (default 0.45,0.8,1.25,2.2)")
     p.add_argument("--runs", type=int, default=None, help="measured rounds per cell (default 5)")
     p.add_argument("--cal-repeats", type=int, default=3, help="requests per length in calibration")
+    p.add_argument("--settle-requests", type=int, default=None,
+                   help="unmeasured gate requests after each change of tier speed (default 6; 2 with --smoke)")
     p.add_argument("--slow-factor", type=float, default=0.2, help="slow tier, as a multiple of mean B_be")
     p.add_argument("--slow-phases", type=ints, default=None, help="requests fast,slow,recovered (default 5,10,8)")
     p.add_argument("--no-slow-tier", action="store_true", help="skip the slow-tier scenario")
@@ -342,6 +359,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.lengths = args.lengths or ([513, 1025] if smoke else [513, 769, 1025, 1281])
     args.speed_factors = args.speed_factors or ([0.5, 2.0] if smoke else [0.45, 0.8, 1.25, 2.2])
     args.runs = args.runs or (2 if smoke else 5)
+    if args.settle_requests is None:
+        args.settle_requests = 2 if smoke else 6
     args.slow_phases = args.slow_phases or ([2, 3, 3] if smoke else [5, 10, 8])
     if smoke:
         args.cal_repeats = min(args.cal_repeats, 2)

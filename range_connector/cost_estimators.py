@@ -170,6 +170,7 @@ class TierEstimator:
         seed_weight: weight of each of the two seed pseudo-loads.
         probe_interval_s: least seconds between two probes of one backend.
         probe_every_refusals: least refused offers of one backend between two probes (1: time alone limits them).
+        probe_jump_ratio: observed / predicted seconds of a probe beyond which it rescales the line at once (> 1).
 
     Raises:
         ValueError: ``alpha`` outside (0, 1], ``jump_ratio`` <= 1, or a negative weight or interval.
@@ -177,11 +178,12 @@ class TierEstimator:
 
     def __init__(self, seeds: Mapping[str, Sequence[TierEstimate]], default_seed: TierEstimate, *,
                  alpha: float = 0.3, jump_ratio: float = 2.0, seed_weight: float = 1.0,
-                 probe_interval_s: float = 1.0, probe_every_refusals: int = 1) -> None:
+                 probe_interval_s: float = 1.0, probe_every_refusals: int = 1, probe_jump_ratio: float = 1.25) -> None:
         if not 0 < alpha <= 1 or not jump_ratio > 1 or not seed_weight > 0 or not probe_interval_s >= 0 \
-                or not probe_every_refusals >= 1:
-            raise ValueError("alpha in (0, 1], jump_ratio > 1, seed_weight > 0, probe_interval_s >= 0 and "
-                             "probe_every_refusals >= 1 required")
+                or not probe_every_refusals >= 1 or not probe_jump_ratio > 1:
+            raise ValueError("alpha in (0, 1], jump_ratio > 1, probe_jump_ratio > 1, seed_weight > 0, "
+                             "probe_interval_s >= 0 and probe_every_refusals >= 1 required")
+        self.probe_jump_ratio = probe_jump_ratio
         self.seeds = {k: tuple(v) for k, v in seeds.items()}
         self.default_seed = default_seed
         self.alpha, self.jump_ratio, self.seed_weight = alpha, jump_ratio, seed_weight
@@ -200,16 +202,19 @@ class TierEstimator:
         return self._fits[key]
 
     def observe(self, backend: str, shard_idx: int, num_bytes: int, seconds: float, *,
-                lower_bound: bool = False) -> None:
+                lower_bound: bool = False, probe: bool = False) -> None:
         """Learn from one completed load of ``num_bytes`` from one shard in ``seconds`` (bad samples ignored).
 
         ``lower_bound``: the load did not complete (it ran out of its deadline after ``seconds``): the true time is
-        longer, so the sample is learnt only when it is slower than the current prediction (a censored sample)."""
+        longer, so the sample is learnt only when it is slower than the current prediction (a censored sample).
+        ``probe``: a probe of a refused tier, the only fresh sample while it is refused (the history describes the
+        tier before it was refused): it rescales the line already when it is ``probe_jump_ratio`` off."""
         if num_bytes > 0 and seconds >= 0 and math.isfinite(seconds) and shard_idx >= 0:
             fit = self._fit(backend, shard_idx)
             if lower_bound and seconds <= fit.predict_s(float(num_bytes)):
                 return
-            fit.add(float(num_bytes), float(seconds), self.alpha, self.jump_ratio)
+            jump = min(self.jump_ratio, self.probe_jump_ratio) if probe else self.jump_ratio
+            fit.add(float(num_bytes), float(seconds), self.alpha, jump)
 
     def estimate(self, backend: str, shard_idx: int) -> TierEstimate:
         """Current ``B`` and ``T0`` of one shard."""
@@ -302,6 +307,7 @@ class GateConfig:
         rate_alpha: weight of the newest step in the rate estimate.
         tier_alpha: weight of the newest load in the tier estimate.
         jump_ratio: a load this many times off the prediction rescales the tier's line at once.
+        probe_jump_ratio: the same for a probe of a refused tier (its only fresh sample: trusted sooner).
     """
 
     async_step_ratio: float = 1.0
@@ -315,6 +321,7 @@ class GateConfig:
     rate_alpha: float = 0.2
     tier_alpha: float = 0.3
     jump_ratio: float = 2.0
+    probe_jump_ratio: float = 1.25
 
 
 class CostGate:
@@ -345,7 +352,8 @@ class CostGate:
                                    TierEstimate(config.seed_bandwidth_bytes_per_s, config.seed_t0_s),
                                    alpha=config.tier_alpha, jump_ratio=config.jump_ratio,
                                    probe_interval_s=config.probe_interval_s,
-                                   probe_every_refusals=config.probe_every_refusals)
+                                   probe_every_refusals=config.probe_every_refusals,
+                                   probe_jump_ratio=config.probe_jump_ratio)
         self.stats = DecisionStats()
 
     def decide(self, prompt_tokens: int, num_computed_tokens: int, hit_tokens: int,
@@ -379,10 +387,12 @@ class CostGate:
         """Bytes each shard delivers for ``decision``'s load."""
         return round(decision.num_new_tokens * self.bytes_per_token / self.num_shards)
 
-    def observe_load(self, shard_idx: int, num_bytes: int, seconds: float, *, lower_bound: bool = False) -> None:
+    def observe_load(self, shard_idx: int, num_bytes: int, seconds: float, *, lower_bound: bool = False,
+                     probe: bool = False) -> None:
         """Learn from one shard's finished load (worker-measured, submission to last byte; ``lower_bound``: it ran
-        out of its deadline after ``seconds``, see :meth:`TierEstimator.observe`)."""
-        self.tiers.observe(self.backend, shard_idx, num_bytes, seconds, lower_bound=lower_bound)
+        out of its deadline after ``seconds``; ``probe``: a probe of a refused tier; see
+        :meth:`TierEstimator.observe`)."""
+        self.tiers.observe(self.backend, shard_idx, num_bytes, seconds, lower_bound=lower_bound, probe=probe)
 
     def record_load(self, decision: Decision, realised_s: float) -> None:
         """Record the whole load's realised seconds against ``decision.load_s``."""

@@ -485,13 +485,13 @@ class RangeScheduler:
             self._release_leases(req_id)
         if self.gate is not None:  # B and T0 from completed loads
             for req_ids, shard_bytes, seconds, complete in worker_meta.load_timings:
+                decisions = [d for d in (self._decisions.pop(r, None) for r in req_ids) if d is not None]
+                probe = bool(decisions) and all(d.is_probe for d in decisions)
                 for shard_idx in range(self.gate.num_shards):
                     # A load that ran out of time says only that the tier is at least that slow.
-                    self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete)
-                for req_id in req_ids:
-                    decision = self._decisions.pop(req_id, None)
-                    if decision is not None:
-                        self.gate.record_load(decision, seconds)
+                    self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=probe)
+                for decision in decisions:
+                    self.gate.record_load(decision, seconds)
         if self.lookup_backends is None:
             for h, tickets in worker_meta.saved:
                 self._index.pop(h, None)

@@ -123,6 +123,28 @@ def test_a_load_that_ran_out_of_time_teaches_only_that_the_tier_is_slower() -> N
     assert got.t0_s + n / got.bandwidth_bytes_per_s >= 3 * predicted
 
 
+def test_a_probe_of_a_refused_tier_is_trusted_sooner_than_a_load() -> None:
+    # While a tier is refused, probes are its only fresh samples: one that is 1.6x faster than the (slow) history
+    # predicts moves the line onto it at once; the same sample from an ordinary load only nudges it.
+    def slow_history() -> TierEstimator:
+        est = TierEstimator({}, TierEstimate(1e9, 0.01), alpha=0.3)
+        for _ in range(10):
+            est.observe("file", 0, 96 * MiB, 0.01 + 96 * MiB / 5e7)
+        return est
+    n = 32 * MiB
+    plain, probed = slow_history(), slow_history()
+    before = plain.estimate("file", 0)
+    fast_s = (before.t0_s + n / before.bandwidth_bytes_per_s) / 1.6
+    plain.observe("file", 0, n, fast_s)
+    probed.observe("file", 0, n, fast_s, probe=True)
+
+    def predicted(e: TierEstimator) -> float:
+        got = e.estimate("file", 0)
+        return got.t0_s + n / got.bandwidth_bytes_per_s
+    assert predicted(probed) == pytest.approx(fast_s, rel=0.05)
+    assert predicted(plain) > 1.25 * fast_s
+
+
 def test_tier_estimates_stay_within_bounds() -> None:
     est = TierEstimator({}, TierEstimate(1e9, 0.001))
     for _ in range(30):
