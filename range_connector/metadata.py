@@ -64,6 +64,8 @@ class RangeConnectorMetadata(KVConnectorMetadata):
 
     loads: list[RequestTransfer] = field(default_factory=list)
     saves: list[RequestTransfer] = field(default_factory=list)
+    #: ``[num_shards]`` tickets of one stored chunk per probe of a refused tier (:mod:`range_connector.probes`)
+    probes: list[tuple[Ticket, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -80,6 +82,7 @@ class RangeWorkerMetadata(KVConnectorWorkerMetadata):
             until its last byte was in reach (``complete``), or until it ran out of its deadline with the planned
             bytes (not ``complete``: a lower bound on the tier's time), for the cost model's estimates of ``B`` and
             ``T0``.
+        probe_timings: ``(bytes per shard, seconds, complete)`` of each background probe of a refused tier.
     """
 
     saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = field(default_factory=list)
@@ -87,6 +90,7 @@ class RangeWorkerMetadata(KVConnectorWorkerMetadata):
     failed_loads: list[tuple[str, int]] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
     load_timings: list[tuple[tuple[str, ...], int, float, bool]] = field(default_factory=list)
+    probe_timings: list[tuple[int, float, bool]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, RangeWorkerMetadata):
@@ -94,4 +98,5 @@ class RangeWorkerMetadata(KVConnectorWorkerMetadata):
         return RangeWorkerMetadata(saved=self.saved + other.saved, dropped=self.dropped + other.dropped,
                                    failed_loads=self.failed_loads + other.failed_loads,
                                    loaded=sorted(set(self.loaded) | set(other.loaded)),
-                                   load_timings=self.load_timings + other.load_timings)
+                                   load_timings=self.load_timings + other.load_timings,
+                                   probe_timings=self.probe_timings + other.probe_timings)

@@ -7,6 +7,7 @@ request, so it only records the latest lookup; the load is planned once vLLM com
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from range_connector.backends.base import Backend
 from range_connector.calibration_file import load_calibration
 from range_connector.config import RangeConfig
 from range_connector.cost_estimators import CostGate
-from range_connector.cost_model import Decision, layout_bytes_per_token
+from range_connector.cost_model import Action, Decision, layout_bytes_per_token
 from range_connector.errors import BackendError
 from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.metrics import LoadTally, tokens_per_chunk
@@ -126,6 +127,8 @@ class RangeScheduler:
         #: req_id -> tokens loaded before its load failed: vLLM reschedules such a request (an asynchronous one
         #: through the waiting queue, where it is looked up again); it is not offered the failed hit a second time
         self._load_failed_at_tokens: dict[str, int] = {}
+        self._probes: list[tuple[Ticket, ...]] = []  # background probes for the next step's metadata
+        self._probe_until = 0.0  # monotonic time until which a probe is in flight
         # The DRAM tier's index: chunk hash -> tickets (the bytes are in the worker, which reports saves/evictions).
         self._index: dict[ChunkHash, tuple[Ticket, ...]] = {}
         self._leases: dict[str, dict[int, tuple[list[str], str]]] = {}  # req_id -> shard -> (stripe ids, token)
@@ -244,11 +247,29 @@ class RangeScheduler:
             # The gate weighs the hit against recomputing it; a producer's whole prompt (a tail) is always taken:
             # a decode engine exists to load it.
             if self.gate is not None and hit > num_computed_tokens and not has_tail:
-                lookup.decision = self.gate.decide(num_prompt, num_computed_tokens, hit)
+                lookup.decision = self._background_probe(self.gate.decide(num_prompt, num_computed_tokens, hit),
+                                                         lookup)
                 lookup.num_hit_tokens = hit = max(num_computed_tokens, lookup.decision.hit_tokens)
                 lookup.mode = lookup.decision.mode.value
         external = max(0, hit - num_computed_tokens)
         return external, external > 0 and lookup.mode == "async"
+
+    def _background_probe(self, decision: Decision, lookup: _Lookup) -> Decision:
+        """A probe of a tier that lives elsewhere (Valkey, files) is a background read of one stored chunk by the
+        worker (:mod:`range_connector.probes`), not a load the request waits for: the request is recomputed as
+        refused. One probe in flight at a time (until its timing comes back, at most ``2 * backend_timeout_s``).
+        The DRAM tier keeps probing through a short hit (it lends stripes in-process)."""
+        if not decision.is_probe or self.lookup_backends is None:
+            return decision
+        now = time.monotonic()
+        if now >= self._probe_until:
+            chunk_idx = lookup.num_computed_tokens // self.chunk_tokens
+            if chunk_idx < len(lookup.tickets):
+                self._probes.append(lookup.tickets[chunk_idx])
+                self._probe_until = now + 2.0 * self.config.backend_timeout_s
+        c = lookup.num_computed_tokens
+        return dataclasses.replace(decision, action=Action.REFUSE, hit_tokens=c, num_new_tokens=0,
+                                   with_load_s=decision.without_load_s, reason="probe: one chunk read in the background")
 
     def _wait_for_announced_kv(self, request: Request, hit: int) -> bool:
         """Whether to wait for KV that a producer announced in ``kv_transfer_params`` (disaggregated prefill) and
@@ -387,8 +408,8 @@ class RangeScheduler:
     # ---------------------------------------------------------------- per step
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RangeConnectorMetadata:
         """Collect this step's loads and the saves of chunks whose tokens are computed by the end of the step."""
-        meta = RangeConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = RangeConnectorMetadata(loads=self._loads, probes=self._probes)
+        self._loads, self._probes = [], []
         if self.gate is not None:  # R from the engine's own steps: the time between two steps' plans
             now = time.monotonic()
             if self._last_step is not None:
@@ -483,7 +504,11 @@ class RangeScheduler:
                 state.tail_saved = False
         for req_id in worker_meta.loaded:
             self._release_leases(req_id)
-        if self.gate is not None:  # B and T0 from completed loads
+        if self.gate is not None:  # B and T0 from completed loads and probes
+            for shard_bytes, seconds, complete in worker_meta.probe_timings:
+                self._probe_until = 0.0
+                for shard_idx in range(self.gate.num_shards):
+                    self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=True)
             for req_ids, shard_bytes, seconds, complete in worker_meta.load_timings:
                 decisions = [d for d in (self._decisions.pop(r, None) for r in req_ids) if d is not None]
                 probe = bool(decisions) and all(d.is_probe for d in decisions)

@@ -30,6 +30,7 @@ from range_connector.errors import BackendError
 from range_connector.layout import KVLayout, block_rows
 from range_connector.metadata import RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.namespace import ChunkHash
+from range_connector.probes import probe_chunk
 from range_connector.sharding import ShardPlan
 from range_connector.stripes import (
     Segment,
@@ -85,6 +86,9 @@ class RangeWorker:
         self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-async-load")
         #: reads the shards of one bank fill at the same time (each shard is its own server)
         self.shard_readers = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="range-shard")
+        #: background probes of a refused tier (:mod:`range_connector.probes`), one at a time
+        self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-probe")
+        self._probe_timings: list[tuple[int, float, bool]] = []  # appended by the prober thread
         self._copy_stream = None  # CUDA only: the stream that copies banks into the KV cache
         #: CUDA only: layer -> event of its pipelined load copy (attention's stream waits on it)
         self.layer_events: dict[str, object] = {}
@@ -136,6 +140,9 @@ class RangeWorker:
         """
         self._finish_step_job()
         self._failed_from_chunk = {}
+        if meta.probes and self.tp_rank == 0:  # (the scheduler's tickets are rank 0's)
+            for tickets in meta.probes:
+                self._prober.submit(self._probe, tickets)
         if not meta.loads or self.layout is None:
             return
         now = time.monotonic()
@@ -153,6 +160,14 @@ class RangeWorker:
             self._step_job = job
             if sync:
                 job.deliver_through(len(self.layer_names) - 1)
+
+    def _probe(self, tickets: tuple[Ticket, ...]) -> None:
+        if not all(self.ticket_fits(t) for t in tickets):
+            return
+        timing = probe_chunk(self.backends, tickets, self.shard_readers)
+        self.stats["probes"] += 1
+        if timing is not None:
+            self._probe_timings.append(timing)  # (list.append is atomic; drained by build_worker_meta)
 
     def _deadline_s(self, reqs: list[RequestTransfer]) -> float:
         """Seconds the loads may take: the longest deadline the cost model gave them, else ``load_deadline_s``."""
@@ -445,10 +460,13 @@ class RangeWorker:
             if take_evicted is not None:
                 for key in take_evicted():
                     dropped.append(ChunkHash(bytes.fromhex(key.split(b":")[2].decode())))
-        if not (self._saved or dropped or self._failed_loads or self._loaded_reqs or self._load_timings):
+        probe_timings = [self._probe_timings.pop(0) for _ in range(len(self._probe_timings))]
+        if not (self._saved or dropped or self._failed_loads or self._loaded_reqs or self._load_timings
+                or probe_timings):
             return None
         meta = RangeWorkerMetadata(saved=self._saved, dropped=dropped, failed_loads=self._failed_loads,
-                                   loaded=self._loaded_reqs, load_timings=self._load_timings)
+                                   loaded=self._loaded_reqs, load_timings=self._load_timings,
+                                   probe_timings=probe_timings)
         self._saved, self._dropped, self._failed_loads, self._loaded_reqs = [], [], [], []
         self._load_timings = []
         return meta
@@ -462,6 +480,7 @@ class RangeWorker:
         self.reader.close()
         self.verifier.shutdown(wait=False)
         self._async_loader.shutdown(wait=False)
+        self._prober.shutdown(wait=False)
         self.shard_readers.shutdown(wait=False)
         for b in {id(b): b for b in self.backends}.values():
             b.close()

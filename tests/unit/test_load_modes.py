@@ -14,6 +14,7 @@ import torch
 
 from tests.unit.test_scheduler_worker import (
     BLOCK,
+    LAYER_BLOCK_BYTES,
     LAYERS,
     Engine,
     FakeRequest,
@@ -348,6 +349,46 @@ def test_auto_mode_takes_a_hit_on_a_fast_tier_refuses_it_on_a_slow_one_and_learn
     probe = b.sched.get_num_new_matched_tokens(FakeRequest("B-1", prompt), 0)
     assert probe[0] in (0, b.chunk_tokens)
     assert b.sched.get_num_new_matched_tokens(FakeRequest("B-2", prompt), 0) == (0, False)
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast() -> None:
+    # The gate believes the tier delivers 1 kB/s (clamped to 100 kB/s; recomputing the hit: 0.26 s): it refuses, and instead of making the request load a chunk to
+    # re-measure it, the worker reads one stored chunk in the background; the tier is in fact fast, so the probe's
+    # timing brings the hit back. No request waited for the probe, and nothing was written into the KV cache.
+    from range_connector.cost_estimators import CostGate, GateConfig
+
+    inner = shard_backends(2, 2)
+    prompt = prompt_tokens(150, seed=84)
+    a, _ = produce(inner, prompt, num_shards=2)
+    flaky = wrap(inner)
+    b = Engine(flaky, num_shards=2, seed=85, load_mode="auto")  # type: ignore[arg-type]
+    assert b.sched.gate is not None
+    b.sched.gate = CostGate("memory", 2, b.sched.gate.bytes_per_token, len(LAYERS), BLOCK, b.chunk_tokens,
+                            config=GateConfig(seed_bandwidth_bytes_per_s=1e3, seed_tokens_per_s=500.0,
+                                              probe_interval_s=0.0, probe_every_refusals=1))
+    req = FakeRequest("B-0", prompt)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # refused (the probe is queued)
+    assert b.admit(req) == 0
+    res = b.step(snapshots=True)
+    assert res.meta.probes and len(res.meta.probes[0]) == 2 and res.meta.loads == []
+    deadline = time.monotonic() + 10
+    while not b.worker.stats["probes"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [f.calls["read_ranges"] for f in flaky] == [1, 1]  # one batched read per shard, in the background
+    assert b.worker.stats["probes"] == 1
+    assert changed_blocks(res.before, res.after_load) == set()  # the probe wrote nothing into the KV cache
+    b.finish("B-0")
+    res2 = b.step(forward=False)  # (the timing comes back with whichever step ends after the probe)
+    timings = [t for r in (res, res2) if r.worker_meta is not None for t in r.worker_meta.probe_timings]
+    assert len(timings) == 1
+    per_shard, seconds, complete = timings[0]
+    assert complete and per_shard == b.chunk_tokens // BLOCK // 2 * LAYER_BLOCK_BYTES["dense"] * len(LAYERS)
+    assert b.sched.gate.stats.snapshot()["decisions_probes"] == 1
+    ext, _ = b.sched.get_num_new_matched_tokens(FakeRequest("B-1", prompt), 0)
+    assert ext == 128  # the probe showed a fast tier: the hit is taken again
     a.close()
     b.close()
 
