@@ -64,7 +64,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from range_connector.errors import TraceError  # noqa: E402
-from range_connector.launch import ServerError, ServerProcess, complete, connector_config  # noqa: E402
+from range_connector.launch import (  # noqa: E402
+    ServerError, ServerProcess, complete, connector_config, unwind_on_sigterm)
 from range_connector.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
 from range_connector.replay_report import format_comparison, write_json, write_plots  # noqa: E402
 from range_connector.synthetic_trace import synthetic_trace  # noqa: E402
@@ -259,6 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison. Exit status: 0 when every configuration ran, 1 when one failed to start, 2 bad input."""
     args = parse_args(argv)
+    unwind_on_sigterm()
     try:
         range_extra = json.loads(args.range_extra)
         if not isinstance(range_extra, dict):

@@ -67,7 +67,7 @@ from range_connector.calibration_file import (  # noqa: E402
     Calibration, fit_prefill_rate, fit_tier_line, write_calibration)
 from range_connector.cost_model import PrefillRate, TierEstimate  # noqa: E402
 from range_connector.launch import (  # noqa: E402
-    ServerProcess, complete, connector_config, reset_prefix_cache, scrape_metrics, wait_for_metric)
+    ServerProcess, complete, connector_config, reset_prefix_cache, scrape_metrics, unwind_on_sigterm, wait_for_metric)
 from range_connector.tiny_models import build_model  # noqa: E402
 
 FORMAT_VERSION = 1
@@ -376,6 +376,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from range_connector.cost_estimators import GateConfig
+    unwind_on_sigterm()
 
     args.probe_interval_note = GateConfig().probe_interval_s
     args.model_dir = build_model("gqa", args.model_size)

@@ -683,3 +683,13 @@ def reset_prefix_cache(base_url: str, *, reset_external: bool = False, timeout_s
         return bool(response.json().get("success", True))
     except ValueError:  # older servers answer 200 with an empty body
         return True
+
+
+def _sigterm_as_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM unwind the main thread like Ctrl-C, so the ``finally`` blocks of a script (a benchmark) stop the
+    servers it started instead of leaving them running."""
+    signal.signal(signal.SIGTERM, _sigterm_as_keyboard_interrupt)
