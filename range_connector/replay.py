@@ -85,6 +85,8 @@ class RequestResult:
         finish_reason: The server's ``finish_reason``.
         output_digest: Hex digest (blake2b, 8 bytes) of the generated token ids when the server returned them
             (vLLM's ``return_token_ids``), to compare outputs across configurations; else ``None``.
+        output_token_ids: The generated token ids (empty when the server did not return them), to tell where two
+            configurations' outputs part.
         error: ``None`` on success, else a one-line reason (HTTP status and body, timeout, connection error).
     """
 
@@ -100,6 +102,7 @@ class RequestResult:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     output_digest: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
 
 
@@ -202,6 +205,7 @@ async def _send(client: Any, url: str, body: dict[str, Any], result: RequestResu
     if token_ids:
         digest = hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8)
         result.output_digest = digest.hexdigest()
+        result.output_token_ids = [int(t) for t in token_ids]
     if result.error is None and result.ttft_s is None:
         result.error = "no output: the stream ended without a token"
     if result.error is None and result.ttft_s is not None and result.output_tokens >= 2:

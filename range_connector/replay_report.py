@@ -97,6 +97,10 @@ def comparison_rows(reports: Sequence[ReplayReport], baseline: str = "none") -> 
     if base_idx is not None:
         same = [same_outputs(r, reports[base_idx]) for r in reports]
         rows.append([f"outputs equal to {baseline}", *(f"{a} / {b}" for a, b in same), *([""] * len(others))])
+        parted = [sorted(output_divergences(r, reports[base_idx]).values()) for r in reports]
+        if any(parted):
+            rows.append(["  differ from output token #", *(",".join(map(str, p[:8])) + ("..." if len(p) > 8 else "")
+                                                            if p else "-" for p in parted), *([""] * len(others))])
     for name, path, spec, lower_better in _ROWS:
         cells = [name]
         for doc in docs:
@@ -137,6 +141,22 @@ def same_outputs(report: ReplayReport, baseline: ReplayReport) -> tuple[int, int
     return sum(a == b for a, b in pairs), len(pairs)
 
 
+def output_divergences(report: ReplayReport, baseline: ReplayReport) -> dict[int, int]:
+    """``{trace index: position of the first generated token that differs}`` for the requests whose outputs differ
+    from the baseline's (both with token ids). Position 0 means the first token already differs (computed from the
+    prompt's KV alone); a later one, that both agreed on the prompt and parted while decoding."""
+    base = {r.index: r.output_token_ids for r in baseline.results if r.error is None and r.output_token_ids}
+    out = {}
+    for r in report.results:
+        theirs = base.get(r.index)
+        if r.error is not None or not r.output_token_ids or theirs is None or r.output_token_ids == theirs:
+            continue
+        pos = next((i for i, (a, b) in enumerate(zip(r.output_token_ids, theirs)) if a != b),
+                   min(len(r.output_token_ids), len(theirs)))
+        out[r.index] = pos
+    return out
+
+
 def format_comparison(reports: Sequence[ReplayReport], baseline: str = "none") -> str:
     """The table of :func:`comparison_rows` as aligned plain text."""
     rows = comparison_rows(reports, baseline)
@@ -153,7 +173,9 @@ def write_json(path: str | os.PathLike[str], reports: Sequence[ReplayReport], *,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     base = next((r for r in reports if r.label == baseline), None)
-    equal = {r.label: dict(zip(("equal", "compared"), same_outputs(r, base))) for r in reports} if base else {}
+    equal = {r.label: {**dict(zip(("equal", "compared"), same_outputs(r, base))),
+                       "first_differing_token": {str(i): p for i, p in output_divergences(r, base).items()}}
+             for r in reports} if base else {}
     doc = {**(extra or {}), "baseline": baseline, f"ratios_vs_{baseline}": ratios(reports, baseline),
            f"outputs_equal_to_{baseline}": equal, "reports": [r.to_dict() for r in reports]}
     path.write_text(json.dumps(doc, indent=1, default=str))

@@ -67,15 +67,18 @@ def test_comparison_table_ratios_and_output_equality(tmp_path) -> None:
     import json
 
     from range_connector.replay import ReplayReport
-    from range_connector.replay_report import format_comparison, ratios, same_outputs, write_json
+    from range_connector.replay_report import format_comparison, output_divergences, ratios, same_outputs, write_json
 
     def report(label: str, ttft_s: float, digests: list[str]) -> ReplayReport:
+        ids = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9, 9, 9, 9], "x": [9, 9, 5, 5]}
         results = [RequestResult(i, float(i), sent_s=float(i), dispatch_delay_s=0.0, ttft_s=ttft_s, e2e_s=2 * ttft_s,
-                                 prompt_tokens=10, output_tokens=4, output_digest=d) for i, d in enumerate(digests)]
+                                 prompt_tokens=10, output_tokens=4, output_digest=d, output_token_ids=ids[d])
+                   for i, d in enumerate(digests)]
         return ReplayReport(label, None, {}, summarize(results), None, results)
 
     none = report("none", 0.4, ["a", "b", "c"])
     rng = report("range", 0.1, ["a", "b", "x"])
+    assert output_divergences(rng, none) == {2: 2} and output_divergences(none, none) == {}
     assert same_outputs(rng, none) == (2, 3) and same_outputs(none, none) == (3, 3)
     assert ratios([none, rng])["range"]["TTFT p50 (s)"] == pytest.approx(0.25)
     table = format_comparison([none, rng])
@@ -84,7 +87,8 @@ def test_comparison_table_ratios_and_output_equality(tmp_path) -> None:
     assert any(line.startswith("outputs equal to none") and "2 / 3" in line for line in lines)
     assert any(line.startswith("TTFT p50 (s)") and line.rstrip().endswith("0.25x") for line in lines)
     doc = json.loads(write_json(tmp_path / "r.json", [none, rng]).read_text())
-    assert doc["outputs_equal_to_none"]["range"] == {"equal": 2, "compared": 3}
+    assert any(line.startswith("  differ from output token #") and line.split()[-1] == "2" for line in lines)
+    assert doc["outputs_equal_to_none"]["range"] == {"equal": 2, "compared": 3, "first_differing_token": {"2": 2}}
     assert doc["ratios_vs_none"]["range"]["E2E p50 (s)"] == pytest.approx(0.25)
 
 
