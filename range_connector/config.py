@@ -19,6 +19,7 @@ from range_connector.errors import ConfigError
 BACKEND_NAMES = ("valkey", "memory", "file")
 #: how a hit is loaded (see range_connector.loads)
 LOAD_MODES = ("pipelined", "async", "sync", "auto")
+SAVE_MODES = ("sync", "async")
 
 #: key -> (unit, default shown to users, description). Order is the README's order.
 CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
@@ -65,6 +66,27 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         'How hits are loaded: "pipelined" (in the step, attention of layer l waits for layer l only), "async" (the '
         'request waits while other requests run), "sync" (all before the forward; for comparison only) or "auto" '
         "(the cost model takes, shortens or refuses each hit and picks pipelined or async).",
+    ),
+    "save_mode": (
+        "-",
+        "sync",
+        '"sync": a step\'s new chunks are written to the tier before the step ends (bounded by backend_timeout_s). '
+        '"async": the step copies them out of the KV cache and a background thread writes them, so a slow tier '
+        "does not slow the engine's steps (a prefill engine, kv_producer, always saves synchronously: its answer "
+        "promises stored KV).",
+    ),
+    "save_backlog_bytes": (
+        "bytes",
+        "268435456",
+        'With save_mode "async": bytes copied out and not yet written, at most; saves past it are skipped (a future '
+        "miss, counted).",
+    ),
+    "lookup_wait_s": (
+        "s",
+        "5.0",
+        "How long the scheduler waits for a lookup before it lets the engine run other requests (the request is "
+        "asked again at the next step, its lookup still running); small values keep a slow tier from stalling "
+        "scheduling.",
     ),
     "calibration_file": (
         "path",
@@ -140,6 +162,9 @@ class RangeConfig:
     load_deadline_s: float = 30.0
     load_mode: str = "pipelined"
     remote_wait_s: float = 10.0
+    save_mode: str = "sync"
+    save_backlog_bytes: int = 256 << 20
+    lookup_wait_s: float = 5.0
     calibration_file: str | None = None
     start_timeout_s: float = 10.0
     verify_checksums: bool = True
@@ -188,6 +213,10 @@ class RangeConfig:
             if mode not in LOAD_MODES:
                 raise ConfigError("load_mode", f"{mode!r} is not one of {', '.join(LOAD_MODES)}")
             values["load_mode"] = mode
+        if "save_mode" in extra:
+            if extra["save_mode"] not in SAVE_MODES:
+                raise ConfigError("save_mode", f"{extra['save_mode']!r} is not one of {', '.join(SAVE_MODES)}")
+            values["save_mode"] = extra["save_mode"]
         if "valkey_urls" in extra:
             urls = extra["valkey_urls"]
             if isinstance(urls, str):
@@ -198,13 +227,13 @@ class RangeConfig:
                 _check_url(url)
             values["valkey_urls"] = tuple(urls)
         for key in ("num_shards", "chunk_tokens", "memory_capacity_bytes", "shard_capacity_bytes", "num_banks",
-                    "bank_bytes"):
+                    "bank_bytes", "save_backlog_bytes"):
             if key in extra:
                 values[key] = _positive_int(key, extra[key], allow_zero=key.endswith("capacity_bytes"))
         for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s", "lease_ttl_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key])
-        for key in ("tier_delay_s", "tier_bandwidth_bytes_per_s", "remote_wait_s"):
+        for key in ("tier_delay_s", "tier_bandwidth_bytes_per_s", "remote_wait_s", "lookup_wait_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key], allow_zero=True)
         if "verify_checksums" in extra:

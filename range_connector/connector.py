@@ -6,6 +6,8 @@ rank's own ``RangeWorker`` and the ranks' agreement and per-layer exchange (:mod
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import os
@@ -98,6 +100,11 @@ class RangeConnector(KVConnectorBase_V1):
         self.shard_plan = plan
         self.namespace, self.namespace_fields = build_namespace(vllm_config, config, group, plan)
         role_name = self._kv_transfer_config.kv_role
+        if role_name == "kv_producer" and config.save_mode == "async":
+            # A prefill engine's answer (kv_transfer_params) promises KV that is stored: its saves end in the step.
+            config = self.range_config = dataclasses.replace(config, save_mode="sync")
+            if role == KVConnectorRole.WORKER:
+                logger.info("Range: kv_producer saves synchronously (save_mode \"async\" ignored)")
         self._scheduler: RangeScheduler | None = None
         self._worker: RangeWorker | None = None
         self._pcp: PcpWorkerRouter | None = None  # set on a context-parallel rank (plan.num_writers > 1)

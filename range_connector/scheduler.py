@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +129,9 @@ class RangeScheduler:
         #: through the waiting queue, where it is looked up again); it is not offered the failed hit a second time
         self._load_failed_at_tokens: dict[str, int] = {}
         self._probes: list[tuple[Ticket, ...]] = []  # background probes for the next step's metadata
+        #: lookups that outlasted lookup_wait_s (req_id -> future), and the thread that runs them
+        self._pending_lookups: dict[str, Future] = {}
+        self._lookup_runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-lookup-wait")
         self._probe_until = 0.0  # monotonic time until which a probe is in flight
         # The DRAM tier's index: chunk hash -> tickets (the bytes are in the worker, which reports saves/evictions).
         self._index: dict[ChunkHash, tuple[Ticket, ...]] = {}
@@ -149,7 +153,7 @@ class RangeScheduler:
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
         self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
                                       "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
-                                      "settings_mismatches": 0, "reoffers_refused": 0}
+                                      "settings_mismatches": 0, "reoffers_refused": 0, "lookups_pending": 0}
         #: promised tokens of each load, settled as loaded, failed or aborted once the workers report it
         self.tally = LoadTally()
 
@@ -223,7 +227,10 @@ class RangeScheduler:
         promises nothing.
         """
         hashes, tail = self._chain(request)
-        tickets = self.stored_prefix(hashes, tail)
+        tickets = self._lookup(request.request_id, hashes, tail)
+        if tickets is None:
+            self.stats["lookups_pending"] += 1
+            return None, False  # the lookup is still running: vLLM asks again next step and runs other requests
         stored = min(len(tickets), len(hashes))
         has_tail = len(tickets) > len(hashes)
         num_prompt = len(request.prompt_token_ids or [])
@@ -253,6 +260,20 @@ class RangeScheduler:
                 lookup.mode = lookup.decision.mode.value
         external = max(0, hit - num_computed_tokens)
         return external, external > 0 and lookup.mode == "async"
+
+    def _lookup(self, req_id: str, hashes: list[ChunkHash], tail: ChunkHash | None) -> list[tuple[Ticket, ...]] | None:
+        """:meth:`stored_prefix`, waiting at most ``lookup_wait_s`` for a tier that lives elsewhere; ``None`` while
+        the request's lookup is still running (it is picked up when vLLM asks again)."""
+        pending = self._pending_lookups.pop(req_id, None)
+        if self.lookup_backends is None or (pending is None and self.config.lookup_wait_s >= self.config.backend_timeout_s):
+            return self.stored_prefix(hashes, tail) if pending is None else pending.result()
+        if pending is None:
+            pending = self._lookup_runner.submit(self.stored_prefix, hashes, tail)
+        try:
+            return pending.result(timeout=self.config.lookup_wait_s)
+        except FutureTimeoutError:
+            self._pending_lookups[req_id] = pending
+            return None
 
     def _background_probe(self, decision: Decision, lookup: _Lookup) -> Decision:
         """A probe of a tier that lives elsewhere (Valkey, files) is a background read of one stored chunk by the
@@ -539,6 +560,7 @@ class RangeScheduler:
         self._decisions.pop(request.request_id, None)
         self._remote_wait_until.pop(request.request_id, None)
         self._load_failed_at_tokens.pop(request.request_id, None)
+        self._pending_lookups.pop(request.request_id, None)
         self._release_leases(request.request_id)
         params = getattr(request, "kv_transfer_params", None)
         if not isinstance(params, dict) or not (params.get("do_remote_decode") or params.get("range_describe")):
@@ -564,5 +586,6 @@ class RangeScheduler:
         for req_id in list(self._leases):
             self._release_leases(req_id)
         self._pool.shutdown(wait=False)
+        self._lookup_runner.shutdown(wait=False)
         for b in self.lookup_backends or []:
             b.close()

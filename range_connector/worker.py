@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -101,7 +102,12 @@ class RangeWorker:
         self.load_timelines: list[dict] = []
         self._failed_block_ids: set[int] = set()
         self._save_down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
-        self._saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = []
+        self._saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = []  # (appended by the saver thread too)
+        #: save_mode "async": the thread that writes gathered stripes, its futures, and the bytes not yet written
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-save")
+        self._pending_saves: weakref.WeakSet[Future] = weakref.WeakSet()
+        self._save_lock = threading.Lock()
+        self._save_backlog_bytes = 0
         self._dropped: list[ChunkHash] = []
         self._loaded_reqs: list[str] = []
         # req_id -> first chunk whose load failed in this step: the forward computes on top of it, so nothing from
@@ -371,13 +377,16 @@ class RangeWorker:
     def save(self, meta: RangeConnectorMetadata) -> None:
         """Write this step's new full chunks as one stripe per shard (split at the tier's value limit).
 
-        A failed or skipped write is counted, never raised: a lost save is only a future miss. The step's
-        pipelined loads are settled first (a chunk computed on top of a failed load is not saved).
+        The chunks are gathered out of the KV cache here, in the step (vLLM may reuse the blocks afterwards). With
+        ``save_mode`` ``"sync"`` they are written before this returns; with ``"async"`` a background thread writes
+        them (at most ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped) and they are
+        reported to the scheduler with the step after the write. A failed or skipped write is counted, never
+        raised: a lost save is only a future miss. The step's pipelined loads are settled first (a chunk computed
+        on top of a failed load is not saved).
         """
         self._finish_step_job()
         if not meta.saves or self.layout is None:
             return
-        layout = self.layout
         chunks = []  # (chunk_hash, block ids of the whole chunk)
         for req in meta.saves:
             failed_from = self._failed_from_chunk.get(req.req_id)
@@ -389,7 +398,7 @@ class RangeWorker:
         if not chunks:
             return
         bps = self.plan.blocks_per_shard
-        tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h, _ in chunks}
+        stripes = []  # (shard, backend, chunks of the stripe, per-layer values)
         for s, backend in enumerate(self.backends):
             if time.monotonic() < self._save_down_until[s]:
                 self.stats["saves_skipped"] += 1
@@ -401,27 +410,60 @@ class RangeWorker:
                 self.stats["save_errors"] += 1
                 continue
             for group in groups:
-                self._save_stripe(s, backend, [chunks[i] for i in group], tickets_by_chunk)
-        for h, tickets in tickets_by_chunk.items():
-            if all(t is not None for t in tickets):
-                self._saved.append((h, tuple(tickets)))  # type: ignore[arg-type]
-                self.stats["saved_chunks"] += 1
+                stripe_chunks = [chunks[i] for i in group]
+                stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks)))
+        hashes = [h for h, _ in chunks]
+        if self.config.save_mode != "async":
+            self._write_stripes(stripes, hashes, 0)
+            return
+        nbytes = sum(v.numel() * v.element_size() for *_rest, values in stripes for v in values)
+        with self._save_lock:
+            if self._save_backlog_bytes + nbytes > self.config.save_backlog_bytes:
+                self.stats["saves_skipped_backlog"] += 1
+                return
+            self._save_backlog_bytes += nbytes
+        self._pending_saves.add(self._saver.submit(self._write_stripes, stripes, hashes, nbytes))
 
-    def _save_stripe(self, s: int, backend: Backend, chunks: list[tuple[ChunkHash, tuple[int, ...]]],
-                     tickets_by_chunk: dict[ChunkHash, list[Ticket | None]]) -> None:
+    def wait_for_saves(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"``; whether all ended."""
+        pending = [f for f in self._pending_saves if not f.done()]
+        return not wait(pending, timeout=timeout_s).not_done if pending else True
+
+    def _gather_stripe(self, s: int, chunks: list[tuple[ChunkHash, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Copy shard ``s``'s blocks of ``chunks`` out of the KV cache: per layer ``[num_planes, stripe_blocks,
+        row]`` host tensors that the stripe's values are written from."""
+        layout = self.layout
+        assert layout is not None
+        positions = list(self.plan.shard_blocks(s))
+        index = torch.tensor([ids[p] for _, ids in chunks for p in positions], dtype=torch.long)
+        if self._rows[0].is_cuda:  # gather on the device, one device-to-host copy per layer
+            index = index.to(self._rows[0].device)
+            return [gather_layer(self._rows, layout, layer_idx, index).cpu() for layer_idx in range(len(self.layer_names))]
+        return [gather_layer(self._rows, layout, layer_idx, index) for layer_idx in range(len(self.layer_names))]
+
+    def _write_stripes(self, stripes: list, hashes: list[ChunkHash], backlog_bytes: int) -> None:
+        """Write gathered stripes; chunks whose every shard was written are reported saved."""
+        try:
+            tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
+            for s, backend, stripe_chunks, values in stripes:
+                self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk)
+            saved = [(h, tuple(tickets)) for h, tickets in tickets_by_chunk.items() if all(t is not None for t in tickets)]
+            with self._save_lock:
+                self._saved.extend(saved)  # type: ignore[arg-type]
+                self._save_backlog_bytes -= backlog_bytes
+            self.stats["saved_chunks"] += len(saved)
+        except Exception:  # a background write must never take the worker down
+            logger.exception("Range save failed")
+            self.stats["save_errors"] += 1
+            with self._save_lock:
+                self._save_backlog_bytes -= backlog_bytes
+
+    def _write_stripe(self, s: int, backend: Backend, chunks: list[tuple[ChunkHash, tuple[int, ...]]],
+                      values: list[torch.Tensor], tickets_by_chunk: dict[ChunkHash, list[Ticket | None]]) -> None:
         layout = self.layout
         assert layout is not None
         bps = self.plan.blocks_per_shard
-        positions = list(self.plan.shard_blocks(s))
-        block_ids = [ids[p] for _, ids in chunks for p in positions]
-        index = torch.tensor(block_ids, dtype=torch.long)
-        stripe_blocks = len(block_ids)
-        if self._rows[0].is_cuda:  # gather on the device, one device-to-host copy per layer
-            index = index.to(self._rows[0].device)
-            values = [gather_layer(self._rows, layout, layer_idx, index).cpu()
-                      for layer_idx in range(len(self.layer_names))]
-        else:
-            values = [gather_layer(self._rows, layout, layer_idx, index) for layer_idx in range(len(self.layer_names))]
+        stripe_blocks = len(chunks) * bps
         views = [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in values]
         stripe_id = new_stripe_id()
         stripe_sums = tuple(xxhash.xxh3_64_intdigest(v) for v in views)
@@ -464,10 +506,12 @@ class RangeWorker:
         if not (self._saved or dropped or self._failed_loads or self._loaded_reqs or self._load_timings
                 or probe_timings):
             return None
-        meta = RangeWorkerMetadata(saved=self._saved, dropped=dropped, failed_loads=self._failed_loads,
+        with self._save_lock:
+            saved, self._saved = self._saved, []
+        meta = RangeWorkerMetadata(saved=saved, dropped=dropped, failed_loads=self._failed_loads,
                                    loaded=self._loaded_reqs, load_timings=self._load_timings,
                                    probe_timings=probe_timings)
-        self._saved, self._dropped, self._failed_loads, self._loaded_reqs = [], [], [], []
+        self._dropped, self._failed_loads, self._loaded_reqs = [], [], []
         self._load_timings = []
         return meta
 
@@ -481,6 +525,9 @@ class RangeWorker:
         self.verifier.shutdown(wait=False)
         self._async_loader.shutdown(wait=False)
         self._prober.shutdown(wait=False)
+        if not self.wait_for_saves(self.config.backend_timeout_s):  # (written before the backends close)
+            logger.warning("Range: background saves still running at shutdown are abandoned")
+        self._saver.shutdown(wait=False)
         self.shard_readers.shutdown(wait=False)
         for b in {id(b): b for b in self.backends}.values():
             b.close()

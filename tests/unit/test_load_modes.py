@@ -393,6 +393,76 @@ def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast() 
     b.close()
 
 
+# ---------------------------------------------------------------------------------------------------- slow tier, engine steps
+def _slow(backends, *, delay_s: float = 0.0, write_bandwidth: float = 0.0):
+    from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
+
+    control = LatencyControl(TierLatency(delay_s=delay_s, bandwidth_bytes_per_s=write_bandwidth))
+    return [LatencyBackend(b, control, timeout_s=5.0) for b in backends], control
+
+
+@pytest.mark.timeout(60)
+def test_async_saves_do_not_hold_the_step_and_are_reported_once_written() -> None:
+    # The tier writes at 100 kB/s (the 4 chunks below are 64 KiB: ~0.65 s): a synchronous save holds the step that
+    # long, an asynchronous one copies the blocks out and returns; the chunks are stored and reported later.
+    prompt = prompt_tokens(150, seed=86)
+    timings = {}
+    for mode in ("sync", "async"):
+        inner = shard_backends(1, 1)
+        slow, _ = _slow(inner, write_bandwidth=1e5)
+        eng = Engine(slow, seed=87, save_mode=mode)
+        assert eng.admit(FakeRequest(f"{mode}-0", prompt)) == 0
+        t0 = time.monotonic()
+        res = eng.step()
+        timings[mode] = time.monotonic() - t0
+        if mode == "sync":
+            assert res.worker_meta is not None and len(res.worker_meta.saved) == 4
+        else:
+            assert res.worker_meta is None or not res.worker_meta.saved  # not written yet
+            assert eng.worker.wait_for_saves(10.0)
+            eng.finish(f"{mode}-0")
+            res2 = eng.step(forward=False)
+            assert res2.worker_meta is not None and len(res2.worker_meta.saved) == 4
+        eng.close()
+    assert timings["sync"] > 0.2 and timings["async"] < timings["sync"] / 2
+    # Another engine finds the chunks written in the background.
+    b = Engine(inner, seed=88)
+    assert b.sched.get_num_new_matched_tokens(FakeRequest("B-0", prompt), 0) == (128, False)
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_async_saves_past_the_backlog_are_skipped_and_counted() -> None:
+    inner = shard_backends(1, 1)
+    slow, _ = _slow(inner, write_bandwidth=1e5)
+    eng = Engine(slow, seed=89, save_mode="async", save_backlog_bytes=1024)  # less than one stripe
+    assert eng.admit(FakeRequest("A-0", prompt_tokens(150, seed=90))) == 0
+    eng.step()
+    assert eng.worker.stats["saves_skipped_backlog"] == 1 and eng.worker.wait_for_saves(1.0)
+    assert eng.worker._save_backlog_bytes == 0
+    eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_lookup_lets_the_engine_run_other_requests() -> None:
+    # Each round trip to the tier takes 0.3 s; with lookup_wait_s 0 the scheduler does not wait: the request is
+    # asked again later (vLLM's None), its lookup still running, and gets its hit once the lookup is back.
+    inner = shard_backends(1, 1)
+    prompt = prompt_tokens(150, seed=91)
+    a, _ = produce(inner, prompt)
+    slow, _ = _slow(inner, delay_s=0.3)
+    b = Engine(slow, seed=92, lookup_wait_s=0.0)
+    req = FakeRequest("B-0", prompt)
+    t0 = time.monotonic()
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert time.monotonic() - t0 < 0.1  # did not wait for the tier
+    time.sleep(0.5)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (128, False)
+    assert b.sched.stats["lookups_pending"] == 1
+    a.close()
+    b.close()
+
+
 @pytest.mark.timeout(30)
 def test_bank_pool_reuses_buffers_of_different_sizes_without_comparing_tensors() -> None:
     """Banks of several sizes in the free list (several asynchronous loads at once): taking one that is not first
