@@ -247,6 +247,16 @@ def summarise_grid(cells: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def gate_probes(url: str) -> int:
+    """The gate's probes so far (``vllm:range_gate_decisions_total{decision="probe"}``, Range's own counter)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:range_gate_decisions_total" and s.labels.get("decision") == "probe"))
+
+
 def run_slow_tier(gate: Engine, control_file: Path, fast_cap: float, slow_cap: float, args: argparse.Namespace,
                   vocab: int, rng: np.random.Generator) -> dict[str, Any]:
     n = max(args.lengths)
@@ -258,12 +268,13 @@ def run_slow_tier(gate: Engine, control_file: Path, fast_cap: float, slow_cap: f
                               ("recovered", fast_cap, args.slow_phases[2])):
         set_tier(control_file, cap)
         for i in range(count):
+            probes_before = gate_probes(gate.url)
             r = gate.send(ids, args.request_timeout_s)
-            r.update(phase=phase, idx_in_phase=i,
+            r.update(phase=phase, idx_in_phase=i, probes=gate_probes(gate.url) - probes_before,
                      decision="full" if r["loaded_tokens"] >= h else "partial" if r["loaded_tokens"] else "none")
             requests.append(r)
             log(f"  {phase:>9} #{i}: loaded {r['loaded_tokens']:>5} of {h} tokens ({r['decision']}), "
-                f"TTFT {r['ttft_s'] * 1e3:7.1f} ms")
+                f"TTFT {r['ttft_s'] * 1e3:7.1f} ms" + (f", {r['probes']} background probe(s)" if r["probes"] else ""))
 
     def first(phase: str, pred) -> int | None:
         return next((r["idx_in_phase"] + 1 for r in requests if r["phase"] == phase and pred(r)), None)
@@ -279,6 +290,8 @@ def run_slow_tier(gate: Engine, control_file: Path, fast_cap: float, slow_cap: f
             "slow_requests_full": sum(r["decision"] == "full" for r in slow),
             "slow_requests_partial": partial, "slow_requests_none": sum(r["decision"] == "none" for r in slow),
             "slow_phase_s": slow_s, "slow_partial_loads_per_s": partial / slow_s if slow_s else None,
+            "slow_background_probes": sum(r["probes"] for r in slow),
+            "slow_background_probes_per_s": sum(r["probes"] for r in slow) / slow_s if slow_s else None,
             "median_ttft_s": {p: statistics.median(r["ttft_s"] for r in requests if r["phase"] == p)
                               for p in ("fast", "slow", "recovered") if any(r["phase"] == p for r in requests)}}
 
@@ -459,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         st = doc["slow_tier"]
         log(f"slow tier: full hit dropped after {st['requests_until_full_hit_dropped']} request(s), retaken after "
             f"{st['requests_until_full_hit_retaken']}; while slow: {st['slow_requests_full']} full, "
-            f"{st['slow_requests_partial']} partial, {st['slow_requests_none']} none in {st['slow_phase_s']:.1f} s")
+            f"{st['slow_requests_partial']} partial, {st['slow_requests_none']} none in {st['slow_phase_s']:.1f} s, "
+            f"{st['slow_background_probes']} background probe(s)")
     log(f"wrote {out} ({doc['elapsed_s']:.0f} s)")
     return 0
 
