@@ -23,7 +23,7 @@ import msgpack
 import valkey
 import valkey.exceptions as vex
 
-from range_connector.backends.base import Backend, Buffer, RangeRead, StripeWrite
+from range_connector.backends.base import Backend, Buffer, RangeRead, ScatterDest, StripeWrite
 from range_connector.backends.resp import RespPool, RespReplyTooLargeError
 from range_connector.errors import BackendError, BackendTimeoutError
 
@@ -168,6 +168,7 @@ class ValkeyBackend(Backend):
     """
 
     is_shared = True
+    supports_scatter = True
 
     def __init__(self, url: str, timeout_s: float = 5.0, capacity_bytes: int | None = None) -> None:
         self.url = url
@@ -374,7 +375,10 @@ class ValkeyBackend(Backend):
             if len(data) != r.length:
                 raise ValueError(f"{self.url}: stripe {r.stripe_id} layer {r.layer_idx} returned {len(data)} bytes "
                                  f"for the range [{r.offset}, {r.offset + r.length})")
-            r.dest[:] = data
+            if isinstance(r.dest, ScatterDest):
+                r.dest.fill_from(data)
+            else:
+                r.dest[:] = data
             nbytes += len(data)
             out.append(True)
         self._count(bytes_read=nbytes, allocations=len(reads), copy_launches=len(reads))
