@@ -1,0 +1,187 @@
+"""Direct receive: on CPU, the stripe rows a load reads land straight in the destination KV blocks.
+
+The bank path (:mod:`range_connector.banks`) receives every byte into a staging bank, then copies it into the KV
+cache with one index copy per (layer, plane). When the KV cache is host memory and the tier can write into caller
+buffers (``Backend.supports_scatter``: the Valkey tier's RESP reader, the DRAM tier), the staging copy is pure
+cost: each read's destination is instead a :class:`~range_connector.backends.base.ScatterDest` over the KV rows
+the bytes belong in (consecutive destination blocks merged into one piece), so the payload is moved once, by the
+socket receive itself.
+
+Why: see "Measurements" at the end of this docstring.
+
+Rows are numbered as in a bank region: segment ``seg`` (:class:`~range_connector.stripes.Segment`) holds rows
+``[seg.bank_row, seg.bank_row + seg.num_blocks)``, the same numbering in every (layer, plane). A row that no chunk
+of the load has a destination for (a gap between the wanted chunks of a stripe, or a block of a partial chunk that
+vLLM already holds) lands in a small spill tensor, so that every chunk can still be verified against its checksums
+exactly as from a bank. A row wanted by two destinations (two requests of one load reading the same chunk) cannot
+land twice: such loads keep the bank path.
+
+The destination blocks belong to the request being loaded, so bytes land there before they are verified; a chunk
+that fails its checksum fails as on the bank path (its blocks are reported and vLLM recomputes them), and a layer is
+handed to attention only after its group landed and was verified (:mod:`range_connector.loads`). The gate of every
+``ScatterDest`` is the load job's: once the job is cancelled (aborted request, passed deadline) nothing more is
+written. CUDA KV caches keep the bank path (pinned staging, copy stream).
+
+Measurements: to be filled in from the runs of ``bench/granularity.py`` on this branch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+import xxhash
+
+from range_connector.backends.base import RangeRead, ScatterDest
+from range_connector.errors import BackendError
+from range_connector.stripes import Segment
+
+logger = logging.getLogger("vllm." + __name__)
+
+
+class WriteGate:
+    """The gate of one load job's direct receives (``ScatterDest.gate``): entered while bytes move into the KV cache
+    (by several shards' readers at once), refusing with :class:`BackendError` once closed; :meth:`close` returns
+    when no write is in progress."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            if self._closed:
+                raise BackendError("the load was cancelled: nothing more is written into its blocks")
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Refuse every later write and wait for those in progress (each a non-blocking receive or a copy)."""
+        with self._cond:
+            self._closed = True
+            if not self._cond.wait_for(lambda: not self._active, timeout=timeout_s):
+                logger.error("Range load: a receive into the KV cache did not end within %.0f s", timeout_s)
+
+
+class DirectRows:
+    """Where every row of a load's segments lands: a KV block, or a row of the spill tensor.
+
+    Args:
+        kv_rows: ``kv_rows(layer_idx, plane_idx)`` -> the ``[num_blocks, row_elems]`` row view of the KV cache.
+        num_layers: layers of the registered layout.
+        num_planes: planes per layer.
+        row_bytes: bytes of one (layer, plane, block) row.
+        segments: the load's segments (``bank_row`` numbering their rows consecutively).
+        dst_of_row: ``[num_rows]`` destination block id of each row, ``None`` for rows without one.
+
+    Attributes:
+        num_spill_rows: rows that land in the spill tensor (per layer and plane).
+    """
+
+    def __init__(self, kv_rows: Callable[[int, int], torch.Tensor], num_layers: int, num_planes: int,
+                 row_bytes: int, segments: Sequence[Segment], dst_of_row: Sequence[int | None]) -> None:
+        self.num_planes, self.row_bytes, self.segments = num_planes, row_bytes, segments
+        spill_of_row: dict[int, int] = {}
+        for row, dst in enumerate(dst_of_row):
+            if dst is None:
+                spill_of_row[row] = len(spill_of_row)
+        self.num_spill_rows = len(spill_of_row)
+        # Runs of rows that land contiguously: (first row, rows, in the KV cache?, first block id or spill row). A
+        # run never crosses a segment boundary (each read covers one segment).
+        bounds = {seg.bank_row for seg in segments}
+        runs: list[tuple[int, int, bool, int]] = []
+        for row, dst in enumerate(dst_of_row):
+            in_kv, idx = (True, dst) if dst is not None else (False, spill_of_row[row])
+            if runs and row not in bounds:
+                first, count, kv, start = runs[-1]
+                if kv == in_kv and start + count == idx:
+                    runs[-1] = (first, count + 1, kv, start)
+                    continue
+            runs.append((row, 1, in_kv, idx))
+        self._runs = runs
+        self._run_starts = [r[0] for r in runs]
+        self._kv = [[memoryview(kv_rows(layer, p).numpy()).cast("B") for p in range(num_planes)]
+                    for layer in range(num_layers)]
+        self._spill = None
+        if self.num_spill_rows:
+            spill = torch.empty((num_layers, num_planes, self.num_spill_rows * row_bytes), dtype=torch.uint8)
+            self._spill = [[memoryview(spill[layer, p].numpy()) for p in range(num_planes)]
+                           for layer in range(num_layers)]
+
+    @classmethod
+    def plan(cls, kv_rows: Callable[[int, int], torch.Tensor], num_layers: int, num_planes: int, row_bytes: int,
+             segments: Sequence[Segment], num_rows: int,
+             copies: Sequence[tuple[Sequence[int], Sequence[int]]]) -> DirectRows | None:
+        """Place every row, or return ``None`` when some row has two destinations (the load then uses banks).
+
+        Args:
+            kv_rows, num_layers, num_planes, row_bytes, segments: as for the constructor.
+            num_rows: rows of all segments together.
+            copies: ``(source rows, destination block ids)`` of every chunk, as the bank path would copy them.
+        """
+        dst_of_row: list[int | None] = [None] * num_rows
+        for src_rows, dst_ids in copies:
+            for row, dst in zip(src_rows, dst_ids):
+                if dst_of_row[row] is not None:
+                    return None
+                dst_of_row[row] = dst
+        return cls(kv_rows, num_layers, num_planes, row_bytes, segments, dst_of_row)
+
+    def pieces(self, layer_idx: int, plane_idx: int, first_row: int, num_rows: int) -> list[memoryview]:
+        """Byte views where rows ``[first_row, first_row + num_rows)`` of one (layer, plane) land, in row order."""
+        out: list[memoryview] = []
+        end = first_row + num_rows
+        rb = self.row_bytes
+        i = bisect.bisect_right(self._run_starts, first_row) - 1
+        while i < len(self._runs) and self._runs[i][0] < end:
+            first, count, in_kv, start = self._runs[i]
+            lo, hi = max(first, first_row), min(first + count, end)
+            base = self._kv[layer_idx][plane_idx] if in_kv else self._spill[layer_idx][plane_idx]  # type: ignore[index]
+            out.append(base[(start + lo - first) * rb:(start + hi - first) * rb])
+            i += 1
+        return out
+
+    def reads(self, layers: range, gate: contextlib.AbstractContextManager) -> dict[int, list[RangeRead]]:
+        """The reads of one layer group, per shard: a segment that is a whole stripe is one whole-value read per
+        layer (its planes back to back), a partial one a ranged read per (layer, plane)."""
+        by_shard: dict[int, list[RangeRead]] = defaultdict(list)
+        rb, planes = self.row_bytes, self.num_planes
+        for seg in self.segments:
+            t = seg.ticket
+            whole = seg.first_block == 0 and seg.num_blocks == t.stripe_blocks
+            for layer_idx in layers:
+                if whole:
+                    dest = ScatterDest(tuple(v for p in range(planes)
+                                             for v in self.pieces(layer_idx, p, seg.bank_row, seg.num_blocks)), gate)
+                    by_shard[seg.shard_idx].append(
+                        RangeRead(t.stripe_id, layer_idx, 0, t.layer_bytes, t.layer_bytes, dest))
+                    continue
+                for p in range(planes):
+                    dest = ScatterDest(tuple(self.pieces(layer_idx, p, seg.bank_row, seg.num_blocks)), gate)
+                    by_shard[seg.shard_idx].append(RangeRead(
+                        t.stripe_id, layer_idx, (p * t.stripe_blocks + seg.first_block) * rb, seg.num_blocks * rb,
+                        t.layer_bytes, dest))
+        return by_shard
+
+    def sums(self, layers: range, first_row: int, num_rows: int) -> list[int]:
+        """xxh3-64 of rows ``[first_row, first_row + num_rows)`` of every plane (in order), per layer of ``layers``:
+        the checksum a ticket records for those rows (:func:`range_connector.stripes.chunk_checksum`)."""
+        out = []
+        for layer_idx in layers:
+            h = xxhash.xxh3_64()
+            for p in range(self.num_planes):
+                for piece in self.pieces(layer_idx, p, first_row, num_rows):
+                    h.update(piece)
+            out.append(h.intdigest())
+        return out
