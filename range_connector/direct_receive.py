@@ -77,6 +77,9 @@ class WriteGate:
 class DirectRows:
     """Where every row of a load's segments lands: a KV block, or a row of the spill tensor.
 
+    A whole-stripe read is checksummed by the tier as its bytes land (``ScatterDest.digest``,
+    :attr:`hash_on_receive`); other spans are checksummed from their rows when verified.
+
     Args:
         kv_rows: ``kv_rows(layer_idx, plane_idx)`` -> the ``[num_blocks, row_elems]`` row view of the KV cache.
         num_layers: layers of the registered layout.
@@ -88,6 +91,9 @@ class DirectRows:
     Attributes:
         num_spill_rows: rows that land in the spill tensor (per layer and plane).
     """
+
+    #: checksum whole-stripe reads as their bytes land (see the module docstring for why)
+    hash_on_receive = True
 
     def __init__(self, kv_rows: Callable[[int, int], torch.Tensor], num_layers: int, num_planes: int,
                  row_bytes: int, segments: Sequence[Segment], dst_of_row: Sequence[int | None]) -> None:
@@ -113,6 +119,8 @@ class DirectRows:
         self._run_starts = [r[0] for r in runs]
         self._kv = [[memoryview(kv_rows(layer, p).numpy()).cast("B") for p in range(num_planes)]
                     for layer in range(num_layers)]
+        #: (segment's first row, layer) -> running xxh3 of a whole-stripe read, updated by the tier as bytes land
+        self._digests: dict[tuple[int, int], object] = {}
         self._spill = None
         if self.num_spill_rows:
             spill = torch.empty((num_layers, num_planes, self.num_spill_rows * row_bytes), dtype=torch.uint8)
@@ -162,8 +170,12 @@ class DirectRows:
             whole = seg.first_block == 0 and seg.num_blocks == t.stripe_blocks
             for layer_idx in layers:
                 if whole:
+                    digest = None
+                    if self.hash_on_receive and t.stripe_checksums:
+                        digest = self._digests[(seg.bank_row, layer_idx)] = xxhash.xxh3_64()
                     dest = ScatterDest(tuple(v for p in range(planes)
-                                             for v in self.pieces(layer_idx, p, seg.bank_row, seg.num_blocks)), gate)
+                                             for v in self.pieces(layer_idx, p, seg.bank_row, seg.num_blocks)),
+                                       gate, digest)
                     by_shard[seg.shard_idx].append(
                         RangeRead(t.stripe_id, layer_idx, 0, t.layer_bytes, t.layer_bytes, dest))
                     continue
@@ -176,7 +188,13 @@ class DirectRows:
 
     def sums(self, layers: range, first_row: int, num_rows: int) -> list[int]:
         """xxh3-64 of rows ``[first_row, first_row + num_rows)`` of every plane (in order), per layer of ``layers``:
-        the checksum a ticket records for those rows (:func:`range_connector.stripes.chunk_checksum`)."""
+        the checksum a ticket records for those rows (:func:`range_connector.stripes.chunk_checksum`). A whole-stripe
+        read's checksum is the one the tier computed as the bytes landed (a read that did not complete leaves a
+        checksum that does not match, and the chunks are then checked one by one, from their rows)."""
+        digests = [self._digests.get((first_row, layer_idx)) for layer_idx in layers]
+        if all(d is not None for d in digests) and any(
+                seg.bank_row == first_row and seg.num_blocks == num_rows for seg in self.segments):
+            return [d.intdigest() for d in digests]  # type: ignore[union-attr]
         out = []
         for layer_idx in layers:
             h = xxhash.xxh3_64()

@@ -31,6 +31,7 @@ import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 Buffer = bytes | bytearray | memoryview
 
@@ -64,10 +65,15 @@ class ScatterDest:
     Attributes:
         pieces: ``[num_pieces]`` flat writable byte views.
         gate: context manager entered around every write into ``pieces``.
+        digest: a running checksum (an ``xxhash.xxh3_64()`` or any object with ``update(bytes-like)``) that the tier
+            updates, in order, with every byte it lands in the pieces, read back from the pieces right after they
+            landed (while still in cache), so that the caller need not read the bytes again to verify them;
+            ``None``: none.
     """
 
     pieces: tuple[memoryview, ...]
     gate: contextlib.AbstractContextManager
+    digest: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +81,8 @@ class ScatterDest:
         return sum(p.nbytes for p in self.pieces)
 
     def fill_from(self, data: Buffer) -> None:
-        """Copy ``data`` (at most :attr:`nbytes` bytes) into the pieces in order, inside the gate."""
+        """Copy ``data`` (at most :attr:`nbytes` bytes) into the pieces in order, inside the gate (then update the
+        digest from the pieces)."""
         src = memoryview(data).cast("B")
         pos = 0
         with self.gate:
@@ -85,6 +92,12 @@ class ScatterDest:
                 n = min(piece.nbytes, src.nbytes - pos)
                 piece[:n] = src[pos:pos + n]
                 pos += n
+        if self.digest is not None:
+            for piece in self.pieces:
+                self.digest.update(piece[:min(piece.nbytes, pos)])
+                pos -= piece.nbytes
+                if pos <= 0:
+                    break
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,7 +128,7 @@ class RespConnection:
         if len(dests) != len(commands):
             raise ValueError(f"{len(commands)} commands but {len(dests)} dests")
         views = [None if d is None else ScatterDest(tuple(v for v in (_byte_view(p, writable=True) for p in d.pieces)
-                                                          if v.nbytes), d.gate)
+                                                          if v.nbytes), d.gate, d.digest)
                  if isinstance(d, ScatterDest) else _byte_view(d, writable=True) for d in dests]
         return self._call(commands, views, deadline_s, parse=False)
 
@@ -264,9 +264,10 @@ class RespConnection:
 
         Bytes already in the read buffer are copied; the rest is received straight into the pieces, as many per
         ``recvmsg_into`` as the socket holds. Each copy and each receive runs inside the gate and never blocks;
-        waiting for bytes (``poll``, bounded by the deadline) happens outside it.
+        waiting for bytes (``poll``, bounded by the deadline) happens outside it. The digest, if any, is updated
+        from the pieces after each receive, outside the gate.
         """
-        pieces = dest.pieces
+        pieces, digest = dest.pieces, dest.digest
         idx = off = 0  # next byte goes to pieces[idx][off]
         left = size
         buffered = min(left, self._end - self._start)
@@ -275,6 +276,8 @@ class RespConnection:
                 while buffered:
                     n = min(buffered, pieces[idx].nbytes - off)
                     pieces[idx][off:off + n] = self._view[self._start:self._start + n]
+                    if digest is not None:
+                        digest.update(self._view[self._start:self._start + n])
                     self._start += n
                     buffered -= n
                     left -= n
@@ -308,6 +311,8 @@ class RespConnection:
             left -= received
             while received:
                 n = min(received, pieces[idx].nbytes - off)
+                if digest is not None:  # (the bytes just landed: still in cache)
+                    digest.update(pieces[idx][off:off + n])
                 received -= n
                 off += n
                 if off == pieces[idx].nbytes:

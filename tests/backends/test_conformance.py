@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import msgpack
 import pytest
 import valkey
+import xxhash
 
 from range_connector.backends.base import Backend, RangeRead, ScatterDest, StripeWrite
 from range_connector.backends.file import FileBackend
@@ -444,7 +445,8 @@ class TestStripeStoreContract:
         part = (view[n + 3:n + 10], view[n:n + 3])  # bytes [333, 343) of layer 1
         miss = (view[n + 10:n + 20],)
         gate = WriteGate()
-        reads = [RangeRead(s.sid, 0, 0, n, n, ScatterDest(whole, gate)),
+        digest = xxhash.xxh3_64()
+        reads = [RangeRead(s.sid, 0, 0, n, n, ScatterDest(whole, gate, digest)),
                  RangeRead(s.sid, 1, 333, 10, n, ScatterDest(part, gate)),
                  RangeRead(uuid.uuid4().hex, 0, 0, 10, n, ScatterDest(miss, gate))]
 
@@ -453,6 +455,7 @@ class TestStripeStoreContract:
 
         assert _delta(b, before)["round_trips"] == 1
         assert b"".join(bytes(p) for p in whole) == s.values[0]
+        assert digest.intdigest() == xxhash.xxh3_64_intdigest(s.values[0])  # updated as the bytes landed
         assert b"".join(bytes(p) for p in part) == s.values[1][333:343]
         assert bytes(miss[0]) == b"\x5a" * 10
         gate.close()  # the owner of the pieces is gone: the next read raises and writes nothing

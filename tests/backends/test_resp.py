@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
 import pytest
+import xxhash
 
 from range_connector.backends.base import ScatterDest
 from range_connector.backends.resp import RespCommandError, RespConnection, RespPool, RespReplyTooLargeError
@@ -134,12 +135,14 @@ def test_scatter_dest_receives_a_reply_across_pieces_and_leaves_the_next_reply_i
     conn.execute_into([[b"SET", b"resp:scatter", payload], [b"SET", b"resp:after", b"after"]], [None, None],
                       deadline_s=_deadline())
 
+    digest = xxhash.xxh3_64()
     lengths = conn.execute_into([[b"GET", b"resp:scatter"], [b"GET", b"resp:after"]],
-                                [ScatterDest(_scatter(buffer, sizes, order), gate), memoryview(small)],
+                                [ScatterDest(_scatter(buffer, sizes, order), gate, digest), memoryview(small)],
                                 deadline_s=_deadline())
 
     assert lengths == [16 * MiB + 5, 5]
     assert b"".join(bytes(p) for p in _scatter(buffer, sizes, order)) == payload
+    assert digest.intdigest() == xxhash.xxh3_64_intdigest(payload)  # computed as the bytes landed
     assert small == b"after"  # the next reply was neither eaten nor shifted
     assert gate.entries >= 1
     # A reply shorter than its scatter destination fills the first bytes and stops there.

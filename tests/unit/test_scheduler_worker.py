@@ -30,6 +30,7 @@ into the destination blocks and verifies them there.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -154,11 +155,22 @@ class FlakyBackend(Backend):
         self.calls["read_ranges"] += 1
         self.read_batches.append(len(reads))
         self._before_load()
-        out = self.inner.read_ranges(reads)
-        for r, ok in zip(reads, out):
-            for sid, layer_idx, off in self.corrupt_reads:
-                if ok and r.stripe_id == sid and r.layer_idx == layer_idx and r.offset <= off < r.offset + r.length:
-                    _flip(r.dest, off - r.offset)
+        flips = [[off - r.offset for sid, layer_idx, off in self.corrupt_reads
+                  if r.stripe_id == sid and r.layer_idx == layer_idx and r.offset <= off < r.offset + r.length]
+                 for r in reads]
+        # Damage on the wire lands as it is: a read straight into its destination (scatter) goes through a
+        # damaged copy here, so that what lands, and what the tier checksums as it lands, is the damaged bytes.
+        staged = {i: bytearray(r.length) for i, r in enumerate(reads) if flips[i] and isinstance(r.dest, ScatterDest)}
+        out = self.inner.read_ranges([dataclasses.replace(r, dest=memoryview(staged[i])) if i in staged else r
+                                      for i, r in enumerate(reads)])
+        for i, (r, ok) in enumerate(zip(reads, out)):
+            if not ok or not flips[i]:
+                continue
+            target = staged.get(i, r.dest)
+            for pos in flips[i]:
+                target[pos] ^= 0x40  # type: ignore[index]
+            if i in staged:
+                r.dest.fill_from(staged[i])  # type: ignore[union-attr]
         return out
 
     def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
@@ -177,19 +189,6 @@ class FlakyBackend(Backend):
 
     def used_bytes(self) -> int:
         return self.inner.used_bytes()
-
-
-def _flip(dest: memoryview | ScatterDest, pos: int) -> None:
-    """Flip one bit of byte ``pos`` of a read's destination (inside the gate of a scatter destination)."""
-    if not isinstance(dest, ScatterDest):
-        dest[pos] ^= 0x40
-        return
-    with dest.gate:
-        for piece in dest.pieces:
-            if pos < piece.nbytes:
-                piece[pos] ^= 0x40
-                return
-            pos -= piece.nbytes
 
 
 # ---------------------------------------------------------------------------------------------------- harness
