@@ -5,9 +5,8 @@ cache with one index copy per (layer, plane). When the KV cache is host memory a
 buffers (``Backend.supports_scatter``: the Valkey tier's RESP reader, the DRAM tier), the staging copy is pure
 cost: each read's destination is instead a :class:`~range_connector.backends.base.ScatterDest` over the KV rows
 the bytes belong in (consecutive destination blocks merged into one piece), so the payload is moved once, by the
-socket receive itself.
-
-Why: see "Measurements" at the end of this docstring.
+socket receive itself. A whole-stripe read is also checksummed by the tier as its bytes land (``digest``: read back
+from the rows just received, while they are in cache), instead of in a second pass over the KV rows.
 
 Rows are numbered as in a bank region: segment ``seg`` (:class:`~range_connector.stripes.Segment`) holds rows
 ``[seg.bank_row, seg.bank_row + seg.num_blocks)``, the same numbering in every (layer, plane). A row that no chunk
@@ -22,7 +21,27 @@ handed to attention only after its group landed and was verified (:mod:`range_co
 ``ScatterDest`` is the load job's: once the job is cancelled (aborted request, passed deadline) nothing more is
 written. CUDA KV caches keep the bank path (pinned staging, copy stream).
 
-Measurements: to be filled in from the runs of ``bench/granularity.py`` on this branch.
+Why (measured on the 2-core development machine on 29 November 2026, restoring 512 MiB of the granularity bench's KV,
+32 layers of 16 MiB, from one loopback Valkey server; other sessions kept 0.3-1.3 cores busy, so single runs vary by
++-40% and variants were compared in one process, alternated restore by restore, 9-21 rounds):
+
+* Where the time went on the bank path (``bench/granularity.py``'s instrumented round): the reader thread's
+  receive 0.19-0.24 s, the consumer's checksum pass 0.03 s and its bank -> KV index copies 0.06 s, on the
+  consumer thread beside the receive; but the reader, the consumer and the server share 2 cores, so the copy and the
+  second pass over the bytes lengthened the receive instead of hiding behind it. One loopback TCP connection moves
+  512 MiB in 0.11-0.12 s with the machine idle (0.19-0.22 s with other work): the client's receive alone is
+  0.13-0.14 CPU-s, the server's send about 0.075 CPU-s.
+* CPU per restore (this process, all threads, timed part only): bank 0.215-0.220 s, direct receive with the
+  checksum pass over the rows 0.173-0.182 s, direct receive checksummed as the bytes land 0.146-0.180 s (the server
+  0.06-0.085 s in each). Median restore in one run at load average 2.3-2.6: 0.22-0.23 s bank, 0.19-0.20 s direct,
+  0.15-0.17 s direct checksummed as bytes land; paired ratios to the bank path over five runs at load average 1.8-10:
+  0.79-0.90 direct, 0.72-0.87 checksummed as bytes land. Time to the first layer: 0.05-0.07 s -> 0.03 s.
+* Rejected: spreading a read over 2 or 3 connections read by as many threads (0.91-1.03 of one connection, within
+  the noise: the server and the other work already hold the second core); Valkey ``io-threads`` 2 or 3 (2-5x slower
+  here: the I/O threads spin on 2 cores; it would also have to apply to every path of the benchmark); a unix socket
+  (raw sockets moved 512 MiB in 0.13 s against 0.19 s over loopback TCP, but the baselines connect over TCP);
+  capping the receive's scatter list (1024, 128, 32 or 8 pieces per call: no difference; receives average about
+  1 MiB, 418 calls per 512 MiB).
 """
 
 from __future__ import annotations

@@ -203,6 +203,8 @@ class ValkeyBackend(Backend):
         # The bulk data path (stripe values, tickets) goes through our own RESP connection, which reads replies
         # straight into the caller's buffers: measured here 3.6-4.1 GiB/s from one loopback server against about
         # 0.5 GiB/s for valkey-py's parser (which allocates a bytes object per reply that must then be copied).
+        # Loads into a host-memory KV cache give it the KV rows themselves (ScatterDest): the reply lands in the
+        # destination blocks with no bank and no copy (measurements: range_connector/direct_receive.py).
         # valkey-py stays for scripts and small commands, and for URLs the RESP path does not handle (unix
         # sockets, authentication, a database other than 0).
         kw = self._client.connection_pool.connection_kwargs
