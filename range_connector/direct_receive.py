@@ -2,10 +2,11 @@
 
 The bank path (:mod:`range_connector.banks`) receives every byte into a staging bank, then copies it into the KV
 cache with one index copy per (layer, plane). When the KV cache is host memory and the tier can write into caller
-buffers (``Backend.supports_scatter``: the Valkey tier's RESP reader, the DRAM tier), the staging copy is pure
-cost: each read's destination is instead a :class:`~range_connector.backends.base.ScatterDest` over the KV rows
-the bytes belong in (consecutive destination blocks merged into one piece), so the payload is moved once, by the
-socket receive itself. A whole-stripe read is also checksummed by the tier as its bytes land (``digest``: read back
+buffers (``Backend.supports_scatter``: the Valkey tier's RESP reader, the file tier's ``preadv``; the DRAM tier too,
+though its loads borrow views of its stripes instead), the staging copy is pure cost: each read's destination is
+instead a :class:`~range_connector.backends.base.ScatterDest` over the KV rows the bytes belong in (consecutive
+destination blocks merged into one piece), so the payload is moved once, by the socket receive (or ``preadv``)
+itself. A whole-stripe read is also checksummed by the tier as its bytes land (``digest``: read back
 from the rows just received, while they are in cache), instead of in a second pass over the KV rows.
 
 Rows are numbered as in a bank region: segment ``seg`` (:class:`~range_connector.stripes.Segment`) holds rows
@@ -36,6 +37,9 @@ Why (measured on the 2-core development machine on 29 November 2026, restoring 5
   0.06-0.085 s in each). Median restore in one run at load average 2.3-2.6: 0.22-0.23 s bank, 0.19-0.20 s direct,
   0.15-0.17 s direct checksummed as bytes land; paired ratios to the bank path over five runs at load average 1.8-10:
   0.79-0.90 direct, 0.72-0.87 checksummed as bytes land. Time to the first layer: 0.05-0.07 s -> 0.03 s.
+* The file tier (page cache warm, 21 rounds at load average 1.5-2.8): bank 0.116-0.131 s, direct receive with the
+  checksum pass over the rows 0.083-0.084 s, checksummed as the bytes land 0.067-0.071 s (0.57x; ``preadv`` of
+  1 MiB per call: see ``range_connector/backends/file.py``); the resident copy of the same bytes takes 0.062 s.
 * Rejected: spreading a read over 2 or 3 connections read by as many threads (0.91-1.03 of one connection, within
   the noise: the server and the other work already hold the second core); Valkey ``io-threads`` 2 or 3 (2-5x slower
   here: the I/O threads spin on 2 cores; it would also have to apply to every path of the benchmark); a unix socket
