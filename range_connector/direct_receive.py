@@ -183,9 +183,11 @@ class DirectRows:
             i += 1
         return out
 
-    def reads(self, layers: range, gate: contextlib.AbstractContextManager) -> dict[int, list[RangeRead]]:
+    def reads(self, layers: range, gate: contextlib.AbstractContextManager,
+              checksums: bool = True) -> dict[int, list[RangeRead]]:
         """The reads of one layer group, per shard: a segment that is a whole stripe is one whole-value read per
-        layer (its planes back to back), a partial one a ranged read per (layer, plane)."""
+        layer (its planes back to back, checksummed as it lands when ``checksums``), a partial one a ranged read per
+        (layer, plane)."""
         by_shard: dict[int, list[RangeRead]] = defaultdict(list)
         rb, planes = self.row_bytes, self.num_planes
         for seg in self.segments:
@@ -194,7 +196,7 @@ class DirectRows:
             for layer_idx in layers:
                 if whole:
                     digest = None
-                    if self.hash_on_receive and t.stripe_checksums:
+                    if checksums and self.hash_on_receive and t.stripe_checksums:
                         digest = self._digests[(seg.bank_row, layer_idx)] = xxhash.xxh3_64()
                     dest = ScatterDest(tuple(v for p in range(planes)
                                              for v in self.pieces(layer_idx, p, seg.bank_row, seg.num_blocks)),

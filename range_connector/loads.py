@@ -295,7 +295,7 @@ class LoadJob:
                 return
             if buffer is None:
                 assert self.direct is not None
-                by_shard = self.direct.reads(group, self._gate)
+                by_shard = self.direct.reads(group, self._gate, w.config.verify_checksums)
             else:
                 by_shard = bank_reads(buffer)
             if len(by_shard) > 1:  # shards live on different servers: read them at the same time
