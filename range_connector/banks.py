@@ -92,7 +92,8 @@ class BankPool:
 
 
 class BankReader:
-    """The single thread that fills banks (one per worker), in submission order."""
+    """The single thread that fills banks (one per worker), in submission order; it also runs the direct receives
+    that need no bank (:mod:`range_connector.direct_receive`)."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-bank-reader")
@@ -117,6 +118,11 @@ class BankReader:
 
         self._executor.submit(run)
         return bank
+
+    def submit_task(self, fn) -> Future:
+        """Queue ``fn()`` behind the fills already queued (a direct receive into the KV cache, which needs no bank);
+        the returned future completes with its result or exception."""
+        return self._executor.submit(fn)
 
     def close(self) -> None:
         """Stop accepting work (queued fills still run)."""

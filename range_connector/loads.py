@@ -2,21 +2,23 @@
 
 A :class:`LoadJob` covers the chunks of one or more requests that are loaded together. :meth:`LoadJob.start`
 plans the reads (one segment per (shard, stripe)) and either borrows read-only views of the stored stripes (a tier
-that can lend them: the in-process DRAM tier) or queues one bank fill per layer group on the transfer banks'
-reader thread (:mod:`range_connector.banks`). :meth:`LoadJob.deliver_through` then delivers the groups up to a
-layer, in order: it waits for the group's bank (bounded by the job's deadline), verifies the chunks against their
-checksums and copies them into the destination blocks with one batched index copy per (layer, plane). Who calls
-it decides the load mode (DESIGN.md §4 "Load"):
+that can lend them: the in-process DRAM tier), or queues one read per layer group on the transfer banks' reader
+thread (:mod:`range_connector.banks`): into a bank, or, when the KV cache is in host memory and the tier can
+scatter, straight into the destination blocks (:mod:`range_connector.direct_receive`). :meth:`LoadJob.deliver_through`
+then delivers the groups up to a layer, in order: it waits for the group's read (bounded by the job's deadline),
+verifies the chunks against their checksums and, from a bank, copies them into the destination blocks with one
+batched index copy per (layer, plane). Who calls it decides the load mode (DESIGN.md §4 "Load"):
 
 * *layer-pipelined*: the forward's ``wait_for_layer_load(layer)`` delivers up to that layer only, so attention of
   layer ``l`` waits for layer ``l`` while later layers are still being read;
 * *asynchronous*: a background thread delivers every layer while the engine runs other requests;
 * *synchronous* (for comparison only): everything is delivered inside ``start_load_kv``.
 
-Every write into the KV cache happens under :attr:`LoadJob.lock` and only while the job is open; :meth:`cancel`
-closes it, so a job whose request was aborted, or whose deadline passed, never writes into blocks it no longer
-owns. A chunk that is missing on any shard, or fails its checksum in any layer, fails from there on (and the later
-chunks of its request too); its blocks are reported to vLLM, which recomputes them.
+Every write into the KV cache happens while the job is open: copies under :attr:`LoadJob.lock`, direct receives
+inside the job's gate (entered around each non-blocking socket receive); :meth:`cancel` closes both and waits for
+a write in progress, so a job whose request was aborted, or whose deadline passed, never writes into blocks it no
+longer owns. A chunk that is missing on any shard, or fails its checksum in any layer, fails from there on (and the
+later chunks of its request too); its blocks are reported to vLLM, which recomputes them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import xxhash
 
 from range_connector.backends.base import RangeRead
 from range_connector.config import LOAD_MODES
+from range_connector.direct_receive import DirectRows, WriteGate
 from range_connector.errors import BackendError
 from range_connector.metadata import ChunkTransfer, RequestTransfer
 from range_connector.namespace import ChunkHash
@@ -133,6 +136,10 @@ class LoadJob:
         self._state_lock = threading.Lock()
         self._failed_shards: set[int] = set()
         self._banks: list = []
+        #: direct receive (CPU): where each row lands, and one read per layer group on the reader thread
+        self.direct: DirectRows | None = None
+        self._fills: list[Future] = []
+        self._gate = WriteGate()
         self._views: dict[tuple[int, str], _ViewSource] = {}
         self._pending_whole: dict[tuple[int, str], Future] = {}
         self.done: list[tuple[ChunkHash, list[int], list[int]]] = []  # filled by finish()
@@ -244,7 +251,8 @@ class LoadJob:
         return True
 
     def _start_banked(self) -> None:
-        """Queue one bank fill per layer group: each fill is one batched ranged read per shard."""
+        """Queue one read per layer group, into a bank or straight into the KV cache (direct receive): each is one
+        batched ranged read per shard."""
         w = self.w
         num_planes, row_bytes = self.num_planes, self.row_bytes
         self.rows_per_region = sum(seg.num_blocks for seg in self.segments)
@@ -268,6 +276,12 @@ class LoadJob:
                 self._plan.append((req, chunk, parts, src_rows, dst_ids))
         if not self.segments:
             return
+        if not w.kv_rows(0, 0).is_cuda and all(w.backends[seg.shard_idx].supports_scatter for seg in self.segments):
+            self.direct = DirectRows.plan(w.kv_rows, self.num_layers, num_planes, row_bytes, self.segments,
+                                          self.rows_per_region, [(e[3], e[4]) for e in self._plan])
+        if self.direct is not None:
+            self._fills = [w.reader.submit_task(self._fill_for(g)) for g in self.groups]
+            return
         timeout_s = max(0.0, self.deadline - time.monotonic())
         self._banks = [w.reader.submit(w.banks, len(g) * layer_bytes, self._fill_for(g), timeout_s)
                        for g in self.groups]
@@ -276,9 +290,25 @@ class LoadJob:
         w = self.w
         num_planes, row_bytes, region_bytes = self.num_planes, self.row_bytes, self.region_bytes
 
-        def fill(buffer: torch.Tensor) -> None:
+        def fill(buffer: torch.Tensor | None = None) -> None:
             if self._cancelled.is_set():
                 return
+            if buffer is None:
+                assert self.direct is not None
+                by_shard = self.direct.reads(group, self._gate, w.config.verify_checksums)
+            else:
+                by_shard = bank_reads(buffer)
+            if len(by_shard) > 1:  # shards live on different servers: read them at the same time
+                for fut in [w.shard_readers.submit(self._read_shard, s, reads) for s, reads in by_shard.items()]:
+                    fut.result()
+            else:
+                for s, reads in by_shard.items():
+                    self._read_shard(s, reads)
+            now = time.monotonic()
+            for layer_idx in group:
+                self.layer_ready_s[layer_idx] = now
+
+        def bank_reads(buffer: torch.Tensor) -> dict[int, list[RangeRead]]:
             mv = memoryview(buffer.numpy()).cast("B")
             by_shard: dict[int, list[RangeRead]] = defaultdict(list)
             for seg in self.segments:
@@ -290,15 +320,7 @@ class LoadJob:
                         by_shard[seg.shard_idx].append(RangeRead(
                             t.stripe_id, layer_idx, (p * t.stripe_blocks + seg.first_block) * row_bytes, length,
                             t.layer_bytes, mv[start:start + length]))
-            if len(by_shard) > 1:  # shards live on different servers: read them at the same time
-                for fut in [w.shard_readers.submit(self._read_shard, s, reads) for s, reads in by_shard.items()]:
-                    fut.result()
-            else:
-                for s, reads in by_shard.items():
-                    self._read_shard(s, reads)
-            now = time.monotonic()
-            for layer_idx in group:
-                self.layer_ready_s[layer_idx] = now
+            return by_shard
         return fill
 
     def _read_shard(self, s: int, reads: list[RangeRead]) -> None:
@@ -317,8 +339,9 @@ class LoadJob:
             w.stats["load_integrity_errors"] += 1
             self._reread_each_stripe(s, reads)
         except BackendError as exc:
-            logger.warning("Range load from shard %d: %s", s, exc)
-            w.stats["load_backend_errors"] += 1
+            if not self._cancelled.is_set():  # (a cancelled direct receive ends with its gate's refusal)
+                logger.warning("Range load from shard %d: %s", s, exc)
+                w.stats["load_backend_errors"] += 1
             self._failed_shards.add(s)
             with self._state_lock:
                 self._errored.update((s, r.stripe_id) for r in reads)
@@ -357,6 +380,8 @@ class LoadJob:
             self._next_group += 1
             if self.views:
                 self._deliver_view_group(g)
+            elif self.direct is not None:
+                self._deliver_direct_group(g)
             else:
                 self._deliver_bank_group(g)
             now = time.monotonic()
@@ -409,7 +434,7 @@ class LoadJob:
                 if self._alive(req, chunk):
                     self._chunk_present(req, chunk)
             if w.config.verify_checksums:
-                self._verify_bank_group(buf, group)
+                self._verify_group(group, lambda grp, row, n: self._bank_sums(buf, grp, row, n))
             src_rows, dst_ids = [], []
             for req, chunk, _parts, c_src, c_dst in self._plan:
                 if self._alive(req, chunk):
@@ -434,14 +459,35 @@ class LoadJob:
             self._bank_copied()
             w.banks.release(bank)
 
-    def _verify_bank_group(self, buf: torch.Tensor, group: range) -> None:
+    def _deliver_direct_group(self, g: int) -> None:
+        """The group's rows are already in the KV cache (direct receive): wait for them, then verify."""
+        group = self.groups[g]
+        if self.closed:
+            return
+        try:
+            self._fills[g].result(timeout=max(0.0, self.deadline - time.monotonic()))
+        except Exception as exc:  # deadline or a failed read task: nothing more can be trusted
+            self._give_up(g, str(exc) or type(exc).__name__)
+            return
+        for req, chunk, _parts, _src, _dst in self._plan:
+            if self._alive(req, chunk):
+                self._chunk_present(req, chunk)
+        if self.w.config.verify_checksums:
+            assert self.direct is not None
+            self._verify_group(group, self.direct.sums)
+        if not any(self._alive(req, chunk) and dst for req, chunk, _parts, _src, dst in self._plan):
+            self.cancel()  # nothing left to load: stop reading the remaining layer groups
+
+    def _verify_group(self, group: range, sums_of) -> None:
         """Segments that hold a whole stripe are verified once per layer; a chunk of a verified segment needs no
-        check of its own, a chunk of a failed one is checked alone (to fail only the bad chunks)."""
+        check of its own, a chunk of a failed one is checked alone (to fail only the bad chunks).
+
+        ``sums_of(group, first_row, num_rows)`` -> per layer of the group, xxh3 of those rows of every plane."""
         whole_ok: dict[tuple[int, str], bool] = {}
         for seg in self.segments:
             t = seg.ticket
             if t.stripe_checksums and seg.first_block == 0 and seg.num_blocks == t.stripe_blocks:
-                sums = self._bank_sums(buf, group, seg.bank_row, seg.num_blocks)
+                sums = sums_of(group, seg.bank_row, seg.num_blocks)
                 whole_ok[(seg.shard_idx, t.stripe_id)] = sums == [t.stripe_checksums[i] for i in group]
         for req, chunk, parts, _src, _dst in self._plan:
             if not self._alive(req, chunk):
@@ -450,7 +496,7 @@ class LoadJob:
                 if whole_ok.get((s, t.stripe_id)):
                     continue
                 rel = seg.bank_row + t.block_offset - seg.first_block
-                if self._bank_sums(buf, group, rel, t.num_blocks) != [t.checksums[i] for i in group]:
+                if sums_of(group, rel, t.num_blocks) != [t.checksums[i] for i in group]:
                     logger.warning("Range load: checksum mismatch in stripe %s layers %d-%d blocks [%d, %d)",
                                    t.stripe_id, group.start, group.stop - 1, t.block_offset,
                                    t.block_offset + t.num_blocks)
@@ -489,6 +535,7 @@ class LoadJob:
         """Stop: no more writes into the KV cache (waits for a copy in progress), fills not started do nothing,
         banks still in flight are released by the reader when their fill ends."""
         self._cancelled.set()
+        self._gate.close()
         with self.lock:
             self.closed = True
         for b in self._banks[self._next_group:]:

@@ -12,7 +12,10 @@ Contract (checked by ``tests/backends/test_conformance.py`` against every backen
   together with the tickets that still point at them; if that is not enough, the write is skipped (``False``).
 * ``get_tickets`` returns the raw ticket bytes (``None`` for a miss): one round trip, one command on Valkey (MGET).
 * ``read_ranges`` fills each read's ``dest`` with ``length`` bytes of a stripe's layer value; a stripe that is gone
-  reads as ``False`` (a miss), never as garbage.
+  reads as ``False`` (a miss), never as garbage. A tier with ``supports_scatter`` also takes a
+  :class:`ScatterDest`: the bytes go, in order, into several buffers that the caller owns (the rows of the KV
+  cache), each write made inside the destination's gate; a gate that refuses ends the call with
+  :class:`BackendError` and nothing more is written.
 * ``drop_stripes`` removes stripes with their tickets and bytes (a tool's own stripes; leases are not checked).
 * ``lease`` protects stripes from eviction for ``ttl_s`` seconds (or until ``release``) and returns a token; each
   holder releases its own lease by token (two holders need two releases, and a holder whose lease expired cannot
@@ -24,9 +27,11 @@ Contract (checked by ``tests/backends/test_conformance.py`` against every backen
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 Buffer = bytes | bytearray | memoryview
 
@@ -48,17 +53,66 @@ class BackendCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class ScatterDest:
+    """A read's destination made of several writable buffers filled in order (their sizes add up to the read's
+    length): the rows of the KV cache that the bytes belong in, so that nothing is staged and copied again.
+
+    The buffers belong to someone else (a load job that may be cancelled at any time, after which the blocks may
+    belong to another request). Every write into them happens inside ``gate``, a context manager held only while
+    bytes move (never while waiting for the tier); entering it raises :class:`~range_connector.errors.BackendError`
+    once the owner has closed it, which ends the read there.
+
+    Attributes:
+        pieces: ``[num_pieces]`` flat writable byte views.
+        gate: context manager entered around every write into ``pieces``.
+        digest: a running checksum (an ``xxhash.xxh3_64()`` or any object with ``update(bytes-like)``) that the tier
+            updates, in order, with every byte it lands in the pieces, read back from the pieces right after they
+            landed (while still in cache), so that the caller need not read the bytes again to verify them;
+            ``None``: none.
+    """
+
+    pieces: tuple[memoryview, ...]
+    gate: contextlib.AbstractContextManager
+    digest: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pieces hold together."""
+        return sum(p.nbytes for p in self.pieces)
+
+    def fill_from(self, data: Buffer) -> None:
+        """Copy ``data`` (at most :attr:`nbytes` bytes) into the pieces in order, inside the gate (then update the
+        digest from the pieces)."""
+        src = memoryview(data).cast("B")
+        pos = 0
+        with self.gate:
+            for piece in self.pieces:
+                if pos >= src.nbytes:
+                    break
+                n = min(piece.nbytes, src.nbytes - pos)
+                piece[:n] = src[pos:pos + n]
+                pos += n
+        if self.digest is not None:
+            for piece in self.pieces:
+                self.digest.update(piece[:min(piece.nbytes, pos)])
+                pos -= piece.nbytes
+                if pos <= 0:
+                    break
+
+
+@dataclass(frozen=True, slots=True)
 class RangeRead:
     """Read ``length`` bytes at ``offset`` of layer ``layer_idx`` of a stripe into ``dest`` (exactly ``length``
-    bytes, writable). ``value_bytes`` is the size of the whole layer value (from the ticket): a read of all of it
-    is a whole-value read (``GET`` on Valkey, which the server answers without copying a sub-range)."""
+    bytes, writable; a :class:`ScatterDest` only for tiers with ``supports_scatter``). ``value_bytes`` is the size
+    of the whole layer value (from the ticket): a read of all of it is a whole-value read (``GET`` on Valkey, which
+    the server answers without copying a sub-range)."""
 
     stripe_id: str
     layer_idx: int
     offset: int
     length: int
     value_bytes: int
-    dest: memoryview
+    dest: memoryview | ScatterDest
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +149,8 @@ class Backend(abc.ABC):
     is_shared: bool = False
     #: Whether :meth:`view_stripes` can lend stored stripes without copying (in-process tiers).
     supports_views: bool = False
+    #: Whether :meth:`read_ranges` takes :class:`ScatterDest` destinations (reads straight into the KV cache).
+    supports_scatter: bool = False
 
     def __init__(self, name: str, max_value_bytes: int, capacity_bytes: int | None) -> None:
         self.name = name

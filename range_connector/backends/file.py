@@ -32,7 +32,8 @@ catches it; headers and log frames are checked, and a damaged frame ends the log
 Every call is one round trip on an I/O thread pool with a deadline for the whole call (``BackendTimeoutError``);
 I/O stops between system calls (at most 64 MiB each) once the caller has given up. ``commands`` counts I/O requests:
 one per ``preadv``/``pwritev`` (a contiguous run of ranges), per header read, per ticket-log read or append; not
-``open``/``rename``/``unlink``/``utime``.
+``open``/``rename``/``unlink``/``utime``. A read into a ``ScatterDest`` (a load straight into a host-memory KV
+cache) is one ``preadv`` per MiB, each inside the destination's gate, its digest updated from the bytes just read.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from typing import Any
 import filelock
 import msgpack
 
-from range_connector.backends.base import Backend, Buffer, RangeRead, StripeWrite
+from range_connector.backends.base import Backend, Buffer, RangeRead, ScatterDest, StripeWrite
 from range_connector.errors import BackendError, BackendTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,9 @@ _MAGIC = b"RCSTRIP1"
 _FRAME = struct.Struct("<II")  # payload bytes, crc32 of the payload
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 _MAX_IO = 64 << 20  # bytes per system call
+# Bytes per system call into a ScatterDest: its gate is held for one call at a time, and its digest is updated from
+# bytes still in cache (512 MiB warm, paired against the same load through a bank: 1 MiB 0.57x, 8 MiB 0.59-0.70x).
+_SCATTER_IO = 1 << 20
 _COMPACT_MIN = 4 << 20  # ticket log bytes before it may be rewritten
 _ZEROS = memoryview(bytes(PAGE))
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -124,19 +128,19 @@ def _flat(value: Buffer) -> memoryview:
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
 
-def _segments(items: Sequence[tuple[int, memoryview]]) -> Iterator[tuple[int, list[memoryview]]]:
+def _segments(items: Sequence[tuple[int, memoryview]], max_io: int = _MAX_IO) -> Iterator[tuple[int, list[memoryview]]]:
     """Group ``(file offset, view)`` pieces, sorted by offset, into contiguous runs of at most ``_IOV_MAX`` views
-    and ``_MAX_IO`` bytes: one ``preadv``/``pwritev`` each, whatever the number of chunks."""
+    and ``max_io`` bytes: one ``preadv``/``pwritev`` each, whatever the number of chunks."""
     seg: list[memoryview] = []
     start = length = 0
     for off, view in items:
         while view.nbytes:
-            if seg and (off != start + length or len(seg) == _IOV_MAX or length == _MAX_IO):
+            if seg and (off != start + length or len(seg) == _IOV_MAX or length == max_io):
                 yield start, seg
                 seg, length = [], 0
             if not seg:
                 start = off
-            take = min(view.nbytes, _MAX_IO - length)
+            take = min(view.nbytes, max_io - length)
             seg.append(view[:take])
             length, off, view = length + take, off + take, view[take:]
     if seg:
@@ -162,6 +166,7 @@ class FileBackend(Backend):
     """
 
     is_shared = True
+    supports_scatter = True
 
     def __init__(self, root_dir: str | Path, capacity_bytes: int | None = None, *, timeout_s: float = 5.0,
                  num_io_threads: int = 4, use_odirect: bool = False, name: str | None = None, fsync: bool = False,
@@ -542,13 +547,16 @@ class FileBackend(Backend):
             if (opened := self._open_stripe(sid, direct)) is None:
                 return [False] * len(rs)
             offsets = self._plan(rs, opened[1])
-            items = sorted(((off, _flat(r.dest)) for off, r in zip(offsets, rs) if off is not None),
-                           key=lambda item: item[0])
+            items = sorted(((off, _flat(r.dest)) for off, r in zip(offsets, rs)  # type: ignore[arg-type]
+                            if off is not None and not isinstance(r.dest, ScatterDest)), key=lambda item: item[0])
             for off, seg in _segments(items):
                 if direct:
                     self._pread_direct(opened[0], seg, off, call)
                 else:
                     self._rw_all(os.preadv, opened[0], seg, off, call)
+            for off, r in zip(offsets, rs):
+                if off is not None and isinstance(r.dest, ScatterDest):
+                    self._read_scatter(opened[0], r.dest, off, direct, call)
             self._touch(opened[0])
             return [off is not None for off in offsets]
         except _Short:
@@ -562,6 +570,25 @@ class FileBackend(Backend):
             if opened is not None:
                 os.close(opened[0])
         return self._read_stripe(sid, rs, call)
+
+    def _read_scatter(self, fd: int, dest: ScatterDest, off: int, direct: bool, call: _Call) -> None:
+        """Read ``dest.nbytes`` bytes at ``off`` into the pieces of ``dest``: one ``preadv`` per run of at most
+        ``_SCATTER_IO`` bytes, each inside the gate (an owner that closes it waits for one at most), then the
+        digest is updated from the pieces just filled."""
+        items, pos = [], off
+        for piece in dest.pieces:
+            items.append((pos, _flat(piece)))
+            pos += piece.nbytes
+        for seg_off, seg in _segments(items, _SCATTER_IO):
+            landed = list(seg)
+            with dest.gate:
+                if direct:
+                    self._pread_direct(fd, seg, seg_off, call)
+                else:
+                    self._rw_all(os.preadv, fd, seg, seg_off, call)
+            if dest.digest is not None:
+                for view in landed:
+                    dest.digest.update(view)
 
     def _rw_all(self, op, fd: int, seg: list[memoryview], off: int, call: _Call) -> None:
         """``os.preadv``/``os.pwritev`` a contiguous run to the end; a read at end of file raises ``_Short``."""

@@ -230,6 +230,7 @@ class LatencyBackend(Backend):
         self.counters = inner.counters
         self.is_shared = inner.is_shared
         self.supports_views = inner.supports_views
+        self.supports_scatter = inner.supports_scatter
         self._link_lock = threading.Lock()
         self._link_free_at = [0.0, 0.0]  # per direction, monotonic s
 

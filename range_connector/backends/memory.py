@@ -12,7 +12,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.backends.base import Backend, RangeRead, ScatterDest, StripeWrite
 
 
 class MemoryBackend(Backend):
@@ -28,6 +28,7 @@ class MemoryBackend(Backend):
                  max_value_bytes: int = 2 << 30) -> None:
         super().__init__(name, max_value_bytes, capacity_bytes)
         self.supports_views = True
+        self.supports_scatter = True
         self._stripes: OrderedDict[str, list[bytes]] = OrderedDict()  # LRU order, oldest first
         self._stripe_tickets: dict[str, list[bytes]] = {}
         self._tickets: dict[bytes, tuple[str, bytes]] = {}  # key -> (stripe id, encoded ticket)
@@ -109,7 +110,10 @@ class MemoryBackend(Backend):
                 if r.offset < 0 or r.length != r.dest.nbytes or r.offset + r.length > len(value):
                     raise ValueError(f"{self.name}: read [{r.offset}, {r.offset + r.length}) of stripe "
                                      f"{r.stripe_id} layer {r.layer_idx} is outside its {len(value)} bytes")
-                r.dest[:] = memoryview(value)[r.offset:r.offset + r.length]
+                if isinstance(r.dest, ScatterDest):
+                    r.dest.fill_from(memoryview(value)[r.offset:r.offset + r.length])
+                else:
+                    r.dest[:] = memoryview(value)[r.offset:r.offset + r.length]
                 nbytes += r.length
                 out.append(True)
         self._count(round_trips=1, commands=len(reads), bytes_read=nbytes, copy_launches=len(reads))

@@ -7,16 +7,24 @@ Each call has one absolute ``time.monotonic()`` deadline that bounds every socke
 cannot stretch it. A timeout, lost connection, protocol error or too-large reply closes the connection (it is out of
 sync); error replies do not: the remaining replies are read, then :class:`RespCommandError` is raised. A connection
 is not thread-safe; :class:`RespPool` lends one per thread.
+
+A bulk reply may also be received into a :class:`~range_connector.backends.base.ScatterDest` (the rows of a KV
+cache): ``recvmsg_into`` fills many of its pieces per system call, always without blocking and inside the
+destination's gate; waiting for more bytes (``poll``) happens outside the gate, so whoever owns the pieces can close
+the gate at any moment and knows that nothing is written after it has.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import select
 import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
 
+from range_connector.backends.base import ScatterDest
 from range_connector.errors import BackendError, BackendTimeoutError
 
 Arg = bytes | bytearray | memoryview | str | int
@@ -81,6 +89,8 @@ class RespConnection:
         self._buf = bytearray(_READ_BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread bytes are _buf[_start:_end]
+        self._poller = select.poll()  # waits for bytes of a scatter receive (outside its gate)
+        self._poller.register(self._sock, select.POLLIN)
 
     def close(self) -> None:
         """Close the socket; later calls raise :class:`BackendError`. Idempotent."""
@@ -89,7 +99,8 @@ class RespConnection:
             self._sock.close()
 
     def execute_into(
-        self, commands: Sequence[Sequence[Arg]], dests: Sequence[memoryview | None], *, deadline_s: float
+        self, commands: Sequence[Sequence[Arg]], dests: Sequence[memoryview | ScatterDest | None], *,
+        deadline_s: float
     ) -> list[int]:
         """Send ``commands`` in one pipeline and read each reply, bulk payloads directly into ``dests``.
 
@@ -97,7 +108,8 @@ class RespConnection:
             commands: ``[num_commands]`` commands, each ``[name, *args]``; large ``memoryview`` args are sent
                 without copying.
             dests: ``[num_commands]`` writable contiguous buffers (any format; viewed as bytes) receiving the
-                command's bulk reply, or ``None`` to discard it.
+                command's bulk reply, a :class:`ScatterDest` whose pieces receive it in order, or ``None`` to
+                discard it.
             deadline_s: absolute ``time.monotonic()`` deadline of the whole call, seconds.
 
         Returns:
@@ -110,11 +122,14 @@ class RespConnection:
             RespCommandError: error replies (raised after every reply was read).
             RespReplyTooLargeError: a bulk reply does not fit its dest (connection closed).
             BackendTimeoutError: the deadline passed (connection closed).
-            BackendError: connection lost or protocol error (connection closed).
+            BackendError: connection lost or protocol error, or a scatter destination's gate refused (connection
+                closed).
         """
         if len(dests) != len(commands):
             raise ValueError(f"{len(commands)} commands but {len(dests)} dests")
-        views = [None if d is None else _byte_view(d, writable=True) for d in dests]
+        views = [None if d is None else ScatterDest(tuple(v for v in (_byte_view(p, writable=True) for p in d.pieces)
+                                                          if v.nbytes), d.gate, d.digest)
+                 if isinstance(d, ScatterDest) else _byte_view(d, writable=True) for d in dests]
         return self._call(commands, views, deadline_s, parse=False)
 
     def execute(self, commands: Sequence[Sequence[Arg]], *, deadline_s: float | None = None) -> list:
@@ -219,10 +234,13 @@ class RespConnection:
                 return line
             self._fill(deadline_s)
 
-    def _read_exact(self, dest: memoryview | None, size: int, deadline_s: float) -> None:
+    def _read_exact(self, dest: memoryview | ScatterDest | None, size: int, deadline_s: float) -> None:
         """Read ``size`` payload bytes plus CRLF into ``dest`` (or discard them when ``dest`` is None)."""
         done = 0
-        if dest is not None:
+        if isinstance(dest, ScatterDest):
+            self._read_scatter(dest, size, deadline_s)
+            done = size
+        elif dest is not None:
             done = min(size, self._end - self._start)
             dest[:done] = self._view[self._start : self._start + done]
             self._start += done
@@ -241,7 +259,71 @@ class RespConnection:
             raise BackendError("bulk reply not terminated by CRLF")
         self._start += 2
 
-    def _read_reply(self, dest: memoryview | None, deadline_s: float, parse: bool) -> object:
+    def _read_scatter(self, dest: ScatterDest, size: int, deadline_s: float) -> None:
+        """Read ``size`` payload bytes into the pieces of ``dest`` in order (the CRLF is left to the caller).
+
+        Bytes already in the read buffer are copied; the rest is received straight into the pieces, as many per
+        ``recvmsg_into`` as the socket holds. Each copy and each receive runs inside the gate and never blocks;
+        waiting for bytes (``poll``, bounded by the deadline) happens outside it. The digest, if any, is updated
+        from the pieces after each receive, outside the gate.
+        """
+        pieces, digest = dest.pieces, dest.digest
+        idx = off = 0  # next byte goes to pieces[idx][off]
+        left = size
+        buffered = min(left, self._end - self._start)
+        if buffered:
+            with dest.gate:
+                while buffered:
+                    n = min(buffered, pieces[idx].nbytes - off)
+                    pieces[idx][off:off + n] = self._view[self._start:self._start + n]
+                    if digest is not None:
+                        digest.update(self._view[self._start:self._start + n])
+                    self._start += n
+                    buffered -= n
+                    left -= n
+                    off += n
+                    if off == pieces[idx].nbytes:
+                        idx, off = idx + 1, 0
+        if not left:
+            return
+        self._sock.settimeout(0.0)  # non-blocking receives; the next _settimeout re-arms the deadline
+        self._sock_timeout_s = 0.0
+        while left:
+            iov = [pieces[idx][off:]]
+            room = iov[0].nbytes
+            end = idx + 1
+            while room < left and end < len(pieces) and len(iov) < _IOV_MAX:
+                iov.append(pieces[end])
+                room += pieces[end].nbytes
+                end += 1
+            if room > left:  # never take the bytes of the next reply
+                iov[-1] = iov[-1][:iov[-1].nbytes - (room - left)]
+            with dest.gate:
+                try:
+                    received = self._sock.recvmsg_into(iov)[0]
+                except BlockingIOError:
+                    received = -1
+            if received == 0:
+                raise BackendError("server closed the connection")
+            if received < 0:
+                self._wait_readable(deadline_s)
+                continue
+            left -= received
+            while received:
+                n = min(received, pieces[idx].nbytes - off)
+                if digest is not None:  # (the bytes just landed: still in cache)
+                    digest.update(pieces[idx][off:off + n])
+                received -= n
+                off += n
+                if off == pieces[idx].nbytes:
+                    idx, off = idx + 1, 0
+
+    def _wait_readable(self, deadline_s: float) -> None:
+        remaining_s = deadline_s - time.monotonic()
+        if remaining_s <= 0 or not self._poller.poll(math.ceil(remaining_s * 1000)):
+            raise TimeoutError("deadline passed")
+
+    def _read_reply(self, dest: memoryview | ScatterDest | None, deadline_s: float, parse: bool) -> object:
         line = self._readline(deadline_s)
         kind, body = line[:1], line[1:]
         if kind == b"$":

@@ -30,12 +30,14 @@ from dataclasses import dataclass
 import msgpack
 import pytest
 import valkey
+import xxhash
 
-from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.backends.base import Backend, RangeRead, ScatterDest, StripeWrite
 from range_connector.backends.file import FileBackend
 from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
 from range_connector.backends.memory import MemoryBackend
 from range_connector.backends.valkey import ValkeyBackend
+from range_connector.direct_receive import WriteGate
 from range_connector.errors import BackendError, BackendTimeoutError
 from range_connector.namespace import ChunkHash
 from range_connector.tickets import Ticket, ticket_key
@@ -428,6 +430,40 @@ class TestStripeStoreContract:
         assert bytes(dests[0]) == b"\x5a" * n and bytes(dests[1]) == b"\x5a" * 10 and bytes(dests[3]) == b"\x5a" * 10
         assert bytes(dests[2]) == s.values[1] and bytes(dests[4]) == s.values[0][20:30]
         assert b.read_ranges([]) == []
+
+    @pytest.mark.timeout(10)
+    def test_scatter_reads_land_in_their_pieces_and_a_closed_gate_stops_them(self, store: Store) -> None:
+        b = store.make()
+        if not b.supports_scatter:
+            pytest.skip(f"the {store.kind} tier has no scatter reads (loads from it stage through transfer banks)")
+        s = make_stripe(2)
+        assert b.write_stripe(s.write) is True
+        n = s.layer_bytes
+        buf = bytearray(b"\x5a" * (n + 20))
+        view = memoryview(buf)
+        whole = (view[600:n], view[0:1], view[1:600])  # layer 0, in pieces placed out of order
+        part = (view[n + 3:n + 10], view[n:n + 3])  # bytes [333, 343) of layer 1
+        miss = (view[n + 10:n + 20],)
+        gate = WriteGate()
+        digest = xxhash.xxh3_64()
+        reads = [RangeRead(s.sid, 0, 0, n, n, ScatterDest(whole, gate, digest)),
+                 RangeRead(s.sid, 1, 333, 10, n, ScatterDest(part, gate)),
+                 RangeRead(uuid.uuid4().hex, 0, 0, 10, n, ScatterDest(miss, gate))]
+
+        before = b.counters.snapshot()
+        assert b.read_ranges(reads) == [True, True, False]
+
+        assert _delta(b, before)["round_trips"] == 1
+        assert b"".join(bytes(p) for p in whole) == s.values[0]
+        assert digest.intdigest() == xxhash.xxh3_64_intdigest(s.values[0])  # updated as the bytes landed
+        assert b"".join(bytes(p) for p in part) == s.values[1][333:343]
+        assert bytes(miss[0]) == b"\x5a" * 10
+        gate.close()  # the owner of the pieces is gone: the next read raises and writes nothing
+        fresh = bytearray(b"\x5a" * n)
+        with pytest.raises(BackendError, match="cancelled"):
+            b.read_ranges([RangeRead(s.sid, 0, 0, n, n, ScatterDest((memoryview(fresh),), gate))])
+        assert fresh == b"\x5a" * n
+        assert is_stored(b, s)  # and the tier serves the next read
 
     @pytest.mark.timeout(10)
     @pytest.mark.parametrize(

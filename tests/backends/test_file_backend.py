@@ -23,8 +23,9 @@ from pathlib import Path
 
 import filelock
 import pytest
+import xxhash
 
-from range_connector.backends.base import RangeRead, StripeWrite
+from range_connector.backends.base import RangeRead, ScatterDest, StripeWrite
 from range_connector.backends.file import PAGE, DeviceRead, FileBackend, gds_status
 from range_connector.errors import BackendError, BackendTimeoutError
 
@@ -113,6 +114,49 @@ def test_round_trip_is_byte_exact_with_odd_ranges(tmp_path: Path, use_odirect: b
         source = (w if sid == "abc1" else other).layer_values[layer]
         assert bytes(dest) == source[off:off + n], (sid, layer, off, n)
     assert b.get_tickets([k for k, _ in w.tickets]) == [t for _, t in w.tickets]
+    b.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("use_odirect", [False, True])
+def test_scatter_reads_over_several_system_calls_land_byte_exact_with_their_digest(tmp_path: Path,
+                                                                                  use_odirect: bool) -> None:
+    # A whole layer of 20 MiB + 7 bytes: more than one scatter system call (8 MiB each), pieces of odd sizes placed
+    # out of order, next to an ordinary read of the same stripe in the same call.
+    if use_odirect and (reason := _odirect_refused(tmp_path)):
+        pytest.skip(reason)
+    b = FileBackend(tmp_path / "s", use_odirect=use_odirect)
+    layer_bytes = (20 << 20) + 7
+    w = _stripe("big1", 2, layer_bytes, seed=5)
+    assert b.write_stripe(w)
+    sizes = [1, PAGE - 1, (9 << 20) + 3, 5]
+    sizes.append(layer_bytes - sum(sizes))
+    buf = bytearray(layer_bytes)
+    view = memoryview(buf)
+    starts = [layer_bytes - sizes[0], 0]  # piece 0 at the end of the buffer, the rest from its start
+    for n in sizes[1:-1]:
+        starts.append(starts[-1] + n)
+    pieces = tuple(view[a:a + n] for a, n in zip(starts, sizes))
+    entered = []
+    gate = contextlib.nullcontext()
+
+    class Counting:
+        def __enter__(self) -> None:
+            entered.append(1)
+            gate.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            gate.__exit__(*exc)
+
+    digest = xxhash.xxh3_64()
+    plain = bytearray(100)
+    reads = [RangeRead("big1", 1, 0, layer_bytes, layer_bytes, ScatterDest(pieces, Counting(), digest)),
+             RangeRead("big1", 0, 12345, 100, layer_bytes, memoryview(plain))]
+    assert b.read_ranges(reads) == [True, True]
+    assert b"".join(bytes(p) for p in pieces) == bytes(w.layer_values[1])
+    assert digest.intdigest() == xxhash.xxh3_64_intdigest(w.layer_values[1])
+    assert bytes(plain) == bytes(w.layer_values[0][12345:12445])
+    assert len(entered) >= 3  # the gate is entered per system call, not once around the whole read
     b.close()
 
 

@@ -16,8 +16,11 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
 import pytest
+import xxhash
 
+from range_connector.backends.base import ScatterDest
 from range_connector.backends.resp import RespCommandError, RespConnection, RespPool, RespReplyTooLargeError
+from range_connector.direct_receive import WriteGate
 from range_connector.errors import BackendError, BackendTimeoutError
 
 MiB = 1 << 20
@@ -87,6 +90,125 @@ def test_missing_key_is_nil_and_leaves_dest_untouched(conn: RespConnection) -> N
 
     assert lengths == [-1, 0]  # GETRANGE of a missing key is an empty string, not nil
     assert dest == b"\x11" * 32
+
+
+def _scatter(buffer: bytearray, sizes: list[int], order: list[int]) -> tuple[memoryview, ...]:
+    """Pieces of ``sizes`` bytes carved out of ``buffer`` in the positions ``order`` (piece i is the order[i]-th
+    slot), so that consecutive pieces are not adjacent in memory (as KV rows of shuffled blocks)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    slots = sorted(range(len(sizes)), key=lambda i: order[i])
+    pos, where = 0, {}
+    for i in slots:
+        where[i] = pos
+        pos += sizes[i]
+    view = memoryview(buffer)
+    assert pos <= len(buffer) and len(starts) == len(sizes)
+    return tuple(view[where[i]:where[i] + sizes[i]] for i in range(len(sizes)))
+
+
+class _CountingGate:
+    """A gate that counts its entries and refuses from entry ``refuse_at`` on (``None``: never)."""
+
+    def __init__(self, refuse_at: int | None = None) -> None:
+        self.entries = 0
+        self.refuse_at = refuse_at
+
+    def __enter__(self) -> None:
+        if self.refuse_at is not None and self.entries >= self.refuse_at:
+            raise BackendError("gate closed")
+        self.entries += 1
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_scatter_dest_receives_a_reply_across_pieces_and_leaves_the_next_reply_intact(conn: RespConnection) -> None:
+    rng = random.Random(3)
+    payload = rng.randbytes(16 * MiB + 5)
+    sizes = [1, 7, 65_536, 3 * MiB + 1] + [MiB] * 12 + [16 * MiB + 5 - (1 + 7 + 65_536 + 3 * MiB + 1 + 12 * MiB)]
+    order = list(range(len(sizes)))
+    rng.shuffle(order)
+    buffer = bytearray(b"\x5a" * (16 * MiB + 5))
+    gate = _CountingGate()
+    small = bytearray(5)
+    conn.execute_into([[b"SET", b"resp:scatter", payload], [b"SET", b"resp:after", b"after"]], [None, None],
+                      deadline_s=_deadline())
+
+    digest = xxhash.xxh3_64()
+    lengths = conn.execute_into([[b"GET", b"resp:scatter"], [b"GET", b"resp:after"]],
+                                [ScatterDest(_scatter(buffer, sizes, order), gate, digest), memoryview(small)],
+                                deadline_s=_deadline())
+
+    assert lengths == [16 * MiB + 5, 5]
+    assert b"".join(bytes(p) for p in _scatter(buffer, sizes, order)) == payload
+    assert digest.intdigest() == xxhash.xxh3_64_intdigest(payload)  # computed as the bytes landed
+    assert small == b"after"  # the next reply was neither eaten nor shifted
+    assert gate.entries >= 1
+    # A reply shorter than its scatter destination fills the first bytes and stops there.
+    buffer2 = bytearray(b"\x5a" * 100)
+    pieces = (memoryview(buffer2)[50:], memoryview(buffer2)[:50])
+    lengths = conn.execute_into([[b"GETRANGE", b"resp:scatter", 0, 59], [b"GET", b"resp:after"]],
+                                [ScatterDest(pieces, gate), memoryview(small)], deadline_s=_deadline())
+    assert lengths == [60, 5] and small == b"after"
+    assert bytes(pieces[0]) + bytes(pieces[1][:10]) == payload[:60] and bytes(pieces[1][10:]) == b"\x5a" * 40
+    assert not conn.closed
+
+
+@pytest.mark.timeout(30)
+def test_scatter_gate_refusal_ends_the_read_closes_the_connection_and_writes_nothing_after(
+        conn: RespConnection) -> None:
+    payload = random.Random(4).randbytes(32 * MiB)
+    conn.execute_into([[b"SET", b"resp:refused", payload]], [None], deadline_s=_deadline())
+    buffer = bytearray(b"\x00" * (32 * MiB))
+    pieces = tuple(memoryview(buffer)[i * MiB:(i + 1) * MiB] for i in range(32))
+    gate = _CountingGate(refuse_at=2)
+
+    with pytest.raises(BackendError, match="gate closed"):
+        conn.execute_into([[b"GET", b"resp:refused"]], [ScatterDest(pieces, gate)], deadline_s=_deadline())
+
+    assert conn.closed and gate.entries == 2
+    # What landed is a prefix of the value, written by the two admitted entries; nothing after the refusal.
+    landed = next((i for i, (x, y) in enumerate(zip(buffer, payload)) if x != y), len(payload))
+    assert 0 < landed < len(payload)
+    assert buffer[landed:] == b"\x00" * (len(payload) - landed)
+
+
+@pytest.mark.timeout(30)
+def test_scatter_waits_for_bytes_outside_the_gate_so_closing_it_never_waits_for_the_tier() -> None:
+    # A trickling server: the reader spends most of its time waiting for bytes; the owner closes the gate meanwhile
+    # and must not wait for the next chunk to arrive. The read then ends at its next write attempt.
+    reply = b"$64\r\n" + bytes(range(1, 65)) + b"\r\n"  # no zero byte: what landed is told from what did not
+    server = _FakeServer(reply, chunk_bytes=20, interval_s=0.5)
+    conn = RespConnection("127.0.0.1", server.port, timeout_s=5.0)
+    gate = WriteGate()
+    buffer = bytearray(64)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            conn.execute_into([[b"GET", b"k"]], [ScatterDest((memoryview(buffer),), gate)], deadline_s=_deadline(5))
+        except BaseException as exc:  # reported to the test thread
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    try:
+        reader.start()
+        time.sleep(1.2)  # two chunks have arrived (35 payload bytes), the third is due at 1.5 s
+        started = time.monotonic()
+        gate.close()
+        assert time.monotonic() - started < 0.2
+        landed = bytes(buffer)
+        reader.join(5)
+        assert not reader.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], BackendError) and "cancelled" in str(errors[0])
+        num_landed = next(i for i, (x, y) in enumerate(zip(landed + b"\xff", range(1, 66))) if x != y)
+        assert 0 < num_landed < 64 and landed[num_landed:] == bytes(64 - num_landed)
+        assert bytes(buffer) == landed  # nothing landed after the gate closed
+        assert conn.closed
+    finally:
+        conn.close()
+        server.close()
 
 
 @pytest.mark.timeout(30)

@@ -2,7 +2,8 @@
 
 Driven through the scheduler/worker harness of ``test_scheduler_worker.py`` (which mirrors the hook order of the
 installed vLLM), with the real ``RangeScheduler`` and ``RangeWorker`` and in-memory stripe stores behind the
-``FlakyBackend`` wrapper (delays and hangs at the backend boundary).
+``FlakyBackend`` wrapper (delays and hangs at the backend boundary). Where it matters, each test runs on the bank
+path and on direct receive (the rows land straight in the KV cache: the wrapper lets loads scatter).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tests.unit.test_scheduler_worker import (
     BLOCK,
     LAYER_BLOCK_BYTES,
     LAYERS,
+    PATH_CONFIG,
     Engine,
     FakeRequest,
     changed_blocks,
@@ -63,14 +65,15 @@ def _run_until_loaded(b: Engine, req_id: str, timeout_s: float = 10.0):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["layer-banks", "direct"])
 @pytest.mark.parametrize("num_shards", [1, 2])
-def test_pipelined_wait_for_layer_delivers_that_layer_before_the_last_one_lands(num_shards: int) -> None:
+def test_pipelined_wait_for_layer_delivers_that_layer_before_the_last_one_lands(num_shards: int, path: str) -> None:
     inner = shard_backends(num_shards, num_shards)
     prompt = prompt_tokens(150, seed=51)
     a, a_blocks = produce(inner, prompt, num_shards=num_shards)
-    flaky = wrap(inner)
+    flaky = wrap(inner, path)
     for f in flaky:
-        f.read_delay_s = 0.05  # every bank fill takes >= 50 ms per shard
+        f.read_delay_s = 0.05  # every layer group's read takes >= 50 ms per shard
     b = Engine(flaky, num_shards=num_shards, seed=52, **LAYER_BANKS)  # type: ignore[arg-type]
     assert b.admit(FakeRequest("B-0", prompt)) == 128
     meta = b.sched.build_connector_meta(b._scheduler_output())
@@ -95,6 +98,7 @@ def test_pipelined_wait_for_layer_delivers_that_layer_before_the_last_one_lands(
     for i in range(128 // BLOCK):
         assert same_block(b.kv, dst[i], a.kv, a_blocks[i])
     assert b.worker.banks.in_use == 0
+    assert b.worker.stats["copy_launches"] == (0 if path == "direct" else len(LAYERS))
     a.close()
     b.close()
 
@@ -157,13 +161,14 @@ def test_async_load_does_not_delay_the_other_requests_of_the_batch() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("path_config", [{}, LAYER_BANKS], ids=["bank", "layer-banks"])
-def test_case_C11_abort_during_async_load_frees_everything_and_writes_nothing_after(path_config: dict) -> None:
+@pytest.mark.parametrize("path", ["bank", "layer-banks", "direct"])
+def test_case_C11_abort_during_async_load_frees_everything_and_writes_nothing_after(path: str) -> None:
+    # direct: the delayed read then tries to land in the freed blocks; the job's gate refuses it.
     inner = shard_backends(1, 1)
     prompt = prompt_tokens(150, seed=58)
     a, a_blocks = produce(inner, prompt)
-    flaky = wrap(inner)
-    b = Engine(flaky, seed=59, load_mode="async", **path_config)  # type: ignore[arg-type]
+    flaky = wrap(inner, path)
+    b = Engine(flaky, seed=59, load_mode="async", **PATH_CONFIG[path])  # type: ignore[arg-type]
     for f in flaky:
         f.read_delay_s = 0.3
     assert b.admit_async(FakeRequest("B-0", prompt)) == 128
@@ -192,13 +197,14 @@ def test_case_C11_abort_during_async_load_frees_everything_and_writes_nothing_af
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["bank", "direct"])
 @pytest.mark.parametrize("mode", ["async", "pipelined"])
-def test_case_C21_frozen_tier_gives_up_at_the_deadline_and_the_prompt_is_recomputed(mode: str) -> None:
+def test_case_C21_frozen_tier_gives_up_at_the_deadline_and_the_prompt_is_recomputed(mode: str, path: str) -> None:
     deadline_s, backend_s = 0.2, 0.5
     inner = shard_backends(1, 1)
     prompt = prompt_tokens(150, seed=60)
     a, _ = produce(inner, prompt)
-    flaky = wrap(inner)
+    flaky = wrap(inner, path)
     b = Engine(flaky, seed=61, load_mode=mode, load_deadline_s=deadline_s,  # type: ignore[arg-type]
                backend_timeout_s=backend_s)
     for f in flaky:

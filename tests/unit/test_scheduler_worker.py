@@ -24,11 +24,13 @@ wraps the per-shard stripe store of ``range_connector.backends.base``).
 Storage path under test: a save batch becomes one stripe per shard (split at the tier's value limit) plus one
 ticket per (chunk, shard); a lookup reads tickets (one call per shard); a load leases the promised stripes, reads
 byte ranges of them into a transfer bank (one call per shard), verifies a checksum per chunk per layer and copies
-once per (layer, plane) into the KV cache.
+once per (layer, plane) into the KV cache; or, from a tier that can scatter (path ``direct``), reads them straight
+into the destination blocks and verifies them there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -41,7 +43,7 @@ import pytest
 import torch
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.backends.base import Backend, RangeRead, ScatterDest, StripeWrite
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError, BackendTimeoutError
@@ -81,8 +83,9 @@ class FlakyBackend(Backend):
     """Delegates the stripe protocol to ``inner``; fails, corrupts, delays or hangs on demand, and counts calls.
 
     With ``views`` (and an inner tier that lends views) loads borrow stripes through ``view_stripes``, the
-    in-process path; otherwise they read byte ranges into the worker's transfer bank (``read_ranges``, the path
-    of every tier that lives elsewhere). Failures, corruption, delays and hangs apply to whichever is used.
+    in-process path; otherwise they read byte ranges (``read_ranges``, the path of every tier that lives
+    elsewhere): into the worker's transfer bank, or with ``scatter`` (and an inner tier that can) straight into the
+    KV cache. Failures, corruption, delays and hangs apply to whichever is used.
 
     Attributes:
         fail_get_tickets / fail_write / fail_read / fail_lease: an exception class to raise from ``get_tickets`` /
@@ -96,10 +99,11 @@ class FlakyBackend(Backend):
         read_batches: ``len(reads)`` of every ``read_ranges`` call.
     """
 
-    def __init__(self, inner: Backend, name: str = "flaky", *, views: bool = False) -> None:
+    def __init__(self, inner: Backend, name: str = "flaky", *, views: bool = False, scatter: bool = False) -> None:
         super().__init__(name, inner.max_value_bytes, inner.capacity_bytes)
         self.inner = inner
         self.supports_views = views and inner.supports_views
+        self.supports_scatter = scatter and inner.supports_scatter
         self.fail_get_tickets: type[BackendError] | None = None
         self.fail_write: type[BackendError] | None = None
         self.fail_read: type[BackendError] | None = None
@@ -151,11 +155,22 @@ class FlakyBackend(Backend):
         self.calls["read_ranges"] += 1
         self.read_batches.append(len(reads))
         self._before_load()
-        out = self.inner.read_ranges(reads)
-        for r, ok in zip(reads, out):
-            for sid, layer_idx, off in self.corrupt_reads:
-                if ok and r.stripe_id == sid and r.layer_idx == layer_idx and r.offset <= off < r.offset + r.length:
-                    r.dest[off - r.offset] ^= 0x40
+        flips = [[off - r.offset for sid, layer_idx, off in self.corrupt_reads
+                  if r.stripe_id == sid and r.layer_idx == layer_idx and r.offset <= off < r.offset + r.length]
+                 for r in reads]
+        # Damage on the wire lands as it is: a read straight into its destination (scatter) goes through a
+        # damaged copy here, so that what lands, and what the tier checksums as it lands, is the damaged bytes.
+        staged = {i: bytearray(r.length) for i, r in enumerate(reads) if flips[i] and isinstance(r.dest, ScatterDest)}
+        out = self.inner.read_ranges([dataclasses.replace(r, dest=memoryview(staged[i])) if i in staged else r
+                                      for i, r in enumerate(reads)])
+        for i, (r, ok) in enumerate(zip(reads, out)):
+            if not ok or not flips[i]:
+                continue
+            target = staged.get(i, r.dest)
+            for pos in flips[i]:
+                target[pos] ^= 0x40  # type: ignore[index]
+            if i in staged:
+                r.dest.fill_from(staged[i])  # type: ignore[union-attr]
         return out
 
     def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
@@ -493,9 +508,11 @@ def stored_ticket(backend: Backend, chunk_hash: ChunkHash, shard_idx: int, *, ki
 
 
 #: How loads reach the bytes: ranged reads into one transfer bank for all layers ("bank"), into banks of one layer
-#: each, two banks taking turns ("layer-banks"), or stripes lent by an in-process tier without a copy ("views").
-LOAD_PATHS = ["bank", "layer-banks", "views"]
-PATH_CONFIG: dict[str, dict[str, Any]] = {"bank": {}, "layer-banks": {"bank_bytes": 1, "num_banks": 2}, "views": {}}
+#: each, two banks taking turns ("layer-banks"), stripes lent by an in-process tier without a copy ("views"), or
+#: ranged reads straight into the destination blocks ("direct").
+LOAD_PATHS = ["bank", "layer-banks", "views", "direct"]
+PATH_CONFIG: dict[str, dict[str, Any]] = {"bank": {}, "layer-banks": {"bank_bytes": 1, "num_banks": 2}, "views": {},
+                                          "direct": {}}
 
 
 def wrap(backends: Sequence[Backend], path: str = "bank") -> list[FlakyBackend]:
@@ -503,7 +520,7 @@ def wrap(backends: Sequence[Backend], path: str = "bank") -> list[FlakyBackend]:
     made: dict[int, FlakyBackend] = {}
     for s, b in enumerate(backends):
         if id(b) not in made:
-            made[id(b)] = FlakyBackend(b, name=f"flaky-s{s}", views=path == "views")
+            made[id(b)] = FlakyBackend(b, name=f"flaky-s{s}", views=path == "views", scatter=path == "direct")
     return [made[id(b)] for b in backends]
 
 
@@ -513,7 +530,10 @@ def load_calls(flaky: Sequence[FlakyBackend], path: str) -> list[int]:
 
 
 def copy_groups(meta: RangeConnectorMetadata, num_shards: int, path: str) -> int:
-    """Index copies per (layer, plane) of a step's loads: one from the banks; one per lent stripe."""
+    """Index copies per (layer, plane) of a step's loads: one from the banks; one per lent stripe; none when the
+    bytes are received straight into the KV cache."""
+    if path == "direct":
+        return 0
     if path != "views":
         return 1
     groups = {(p % num_shards, c.tickets[p % num_shards].stripe_id)
@@ -698,7 +718,7 @@ def test_two_requests_sharing_a_prefix_read_each_stripe_once(path: str) -> None:
             assert same_block(res.after_load, blocks[i], a.kv, a_blocks[i]), (req_id, i)
     # One call per shard, covering 2 stripes (x 4 layers) once for both requests; one copy per layer (and lent
     # stripe).
-    if path == "bank":
+    if path in ("bank", "direct"):  # direct: every row has two destinations, so the load keeps the bank
         assert [f.calls["read_ranges"] for f in flaky] == [1, 1]
         assert [f.read_batches for f in flaky] == [[2 * len(LAYERS)], [2 * len(LAYERS)]]
     if path != "views":
@@ -717,7 +737,7 @@ def test_two_requests_sharing_a_prefix_read_each_stripe_once(path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- 3. load failure
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("path", ["bank", "layer-banks"])
+@pytest.mark.parametrize("path", ["bank", "layer-banks", "direct"])
 @pytest.mark.parametrize("exc", [BackendError, BackendTimeoutError])
 @pytest.mark.parametrize(("num_shards", "failing_shard"), [(1, 0), (2, 0), (2, 1)])
 def test_load_backend_error_reports_every_block_and_writes_nothing(
@@ -736,7 +756,11 @@ def test_load_backend_error_reports_every_block_and_writes_nothing(
     res = b.step(forward=False)  # no exception escapes
 
     assert res.invalid_block_ids == set(b.running["B-0"].block_ids[:ext // BLOCK])
-    assert changed_blocks(res.before, res.after_load) == set()
+    if path == "direct":  # the other shard's rows landed in their blocks before the load failed: reported too
+        assert changed_blocks(res.before, res.after_load) <= res.invalid_block_ids
+        assert num_shards == 2 or changed_blocks(res.before, res.after_load) == set()
+    else:
+        assert changed_blocks(res.before, res.after_load) == set()
     assert res.loaded_block_log == []
     # One error per load: a failed shard is not asked again for later layer groups.
     assert b.worker.stats["load_backend_errors"] == 1  # a failed shard is not asked again in this load
@@ -804,9 +828,10 @@ def test_corrupt_stripe_bytes_fail_their_chunk_and_later_ones_and_the_ticket_is_
     bpc = 2
     good = b_blocks[:bad_chunk * bpc]
     assert res.invalid_block_ids == set(b_blocks[bad_chunk * bpc:8])  # the bad chunk and every later one
-    if path in ("layer-banks", "views"):
+    if path in ("layer-banks", "views", "direct"):
         # layer-banks: layer 0 of the failed chunks was copied before layer 1 failed; views: whole stripes are
-        # verified while they are copied. Either way the written blocks are reported, so vLLM recomputes them.
+        # verified while they are copied; direct: the bytes land in the blocks before they are verified. Either way
+        # the written blocks are reported, so vLLM recomputes them.
         assert changed_blocks(res.before, res.after_load) == set(b_blocks[:8])
     else:
         assert changed_blocks(res.before, res.after_load) == set(good)
@@ -867,7 +892,10 @@ def test_stripe_missing_on_one_shard_between_lookup_and_load_is_a_load_error(pat
     res = b.step(forward=False)
 
     assert res.invalid_block_ids == set(b_blocks[4:8])
-    assert changed_blocks(res.before, res.after_load) == set(b_blocks[:4])
+    if path == "direct":  # shard 0's rows of chunks 2-3 landed before shard 1's were found gone: reported too
+        assert set(b_blocks[:4]) <= changed_blocks(res.before, res.after_load) <= set(b_blocks[:8])
+    else:
+        assert changed_blocks(res.before, res.after_load) == set(b_blocks[:4])
     for i in range(4):
         assert same_block(res.after_load, b_blocks[i], a.kv, a_blocks[i])
     assert b.worker.stats["load_integrity_errors"] == 0 and b.worker.stats["load_backend_errors"] == 0
@@ -913,6 +941,7 @@ def test_ticket_that_does_not_fit_the_layout_is_a_miss() -> None:
     "bank",
     "layer-banks",
     "views",
+    "direct",
 ])
 def test_value_shorter_than_its_ticket_is_treated_as_corrupt(path: str) -> None:
     # base.py: read_ranges raises ValueError when "a read falls outside its stored value (a ticket that lies;
@@ -1411,6 +1440,9 @@ def test_storage_cost_follows_bytes_not_chunks(num_shards: int, kind: str, path:
     if path == "views":
         assert fine["read_batches"] == coarse["read_batches"] == [[1]] * num_shards  # one stripe each
         assert fine["copy_launches"] == coarse["copy_launches"] == layers_planes * num_shards
+    elif path == "direct":  # one whole-value read per layer (its planes back to back), nothing to copy
+        assert fine["read_batches"] == coarse["read_batches"] == [[len(LAYERS)]] * num_shards
+        assert fine["copy_launches"] == coarse["copy_launches"] == 0
     else:
         assert fine["read_batches"] == coarse["read_batches"] == [[layers_planes // groups] * groups] * num_shards
         assert fine["copy_launches"] == coarse["copy_launches"] == layers_planes
@@ -1447,13 +1479,13 @@ def test_save_batch_over_the_value_limit_is_split_into_stripes_and_loads_byte_ex
     assert res.invalid_block_ids == set()
     for i in range(16):
         assert same_block(res.after_load, b_blocks[i], a.kv, a_blocks[i]), i
-    if path == "bank":
+    if path in ("bank", "direct"):
         assert [f.read_batches for f in flaky] == [[3 * len(LAYERS)]] * num_shards  # 3 stripes x 4 layers
     elif path == "layer-banks":
         assert [f.read_batches for f in flaky] == [[3] * len(LAYERS)] * num_shards  # 3 stripes, per layer
     else:
         assert [f.read_batches for f in flaky] == [[3]] * num_shards  # 3 stripes lent per shard
-    assert b.worker.stats["copy_launches"] == len(LAYERS) * (3 * num_shards if path == "views" else 1)
+    assert b.worker.stats["copy_launches"] == len(LAYERS) * {"views": 3 * num_shards, "direct": 0}.get(path, 1)
     a.close()
     b.close()
 
