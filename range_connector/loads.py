@@ -37,7 +37,7 @@ import xxhash
 from range_connector.backends.base import RangeRead
 from range_connector.config import LOAD_MODES
 from range_connector.direct_receive import DirectRows, WriteGate
-from range_connector.errors import BackendError
+from range_connector.errors import BackendError, BackendTimeoutError
 from range_connector.metadata import ChunkTransfer, RequestTransfer
 from range_connector.namespace import ChunkHash
 from range_connector.stripes import Segment, plan_segments
@@ -142,6 +142,7 @@ class LoadJob:
         self._gate = WriteGate()
         self._views: dict[tuple[int, str], _ViewSource] = {}
         self._pending_whole: dict[tuple[int, str], Future] = {}
+        self._delivered: list[threading.Event] = []  # direct receive: per layer group, delivered (or cancelled)
         self.done: list[tuple[ChunkHash, list[int], list[int]]] = []  # filled by finish()
 
     # ------------------------------------------------------------------ set-up
@@ -280,6 +281,9 @@ class LoadJob:
             self.direct = DirectRows.plan(w.kv_rows, self.num_layers, num_planes, row_bytes, self.segments,
                                           self.rows_per_region, [(e[3], e[4]) for e in self._plan])
         if self.direct is not None:
+            # Read-ahead stays bounded as on the bank path (num_banks layer groups beyond the last one delivered),
+            # so a layer-pipelined load keeps handing early layers to attention while later ones are still read.
+            self._delivered = [threading.Event() for _ in self.groups]
             self._fills = [w.reader.submit_task(self._fill_for(g)) for g in self.groups]
             return
         timeout_s = max(0.0, self.deadline - time.monotonic())
@@ -295,6 +299,11 @@ class LoadJob:
                 return
             if buffer is None:
                 assert self.direct is not None
+                behind = self.groups.index(group) - w.config.num_banks
+                if behind >= 0 and not self._delivered[behind].wait(max(0.0, self.deadline - time.monotonic())):
+                    raise BackendTimeoutError("the load deadline passed before earlier layer groups were delivered")
+                if self._cancelled.is_set():
+                    return
                 by_shard = self.direct.reads(group, self._gate, w.config.verify_checksums)
             else:
                 by_shard = bank_reads(buffer)
@@ -387,6 +396,8 @@ class LoadJob:
             now = time.monotonic()
             for layer in self.groups[g]:
                 self.layer_delivered_s[layer] = now
+            if self._delivered:
+                self._delivered[g].set()
 
     def _deliver_view_group(self, g: int) -> None:
         if time.monotonic() > self.deadline:
@@ -538,6 +549,8 @@ class LoadJob:
         self._gate.close()
         with self.lock:
             self.closed = True
+        for event in self._delivered:  # (a direct fill waiting for the consumer ends at once)
+            event.set()
         for b in self._banks[self._next_group:]:
             self._abandon(b)
         self._next_group = len(self.groups) if hasattr(self, "groups") else 0

@@ -33,7 +33,9 @@ def test_replay_smoke(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=380, cwd=str(REPO),
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "external (tier) hit tokens" in proc.stdout and "transform: tokens x 0.0625" in proc.stdout
+    assert "external hit tokens (vLLM, admitted)" in proc.stdout and "transform: tokens x 0.0625" in proc.stdout
+    hits_row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("hits == loaded + failed"))
+    assert hits_row.split()[-1] == "yes"  # vLLM's external hits agree with what Range loaded and verified
     doc = json.loads(out.read_text())
     (report,) = doc["reports"]
     assert report["label"] == "range" and report["summary"]["num_ok"] == NUM_REQUESTS - WARMUP
