@@ -53,7 +53,13 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "Where embedded Valkey servers are recorded (servers.json) and keep their data and logs.",
     ),
     "backend_timeout_s": ("s", "5.0", "Deadline of every single backend call (the whole call, not one socket read)."),
-    "load_deadline_s": ("s", "30.0", "Deadline of one load; past it the blocks are recomputed."),
+    "load_deadline_s": ("s", "30.0", "Longest deadline of one load; past it the blocks are recomputed."),
+    "min_load_deadline_s": (
+        "s",
+        "0.25",
+        "Shortest deadline the cost model gives a load (each load's deadline is twice its expected time, at most what "
+        "recomputing its tokens would cost, within [min_load_deadline_s, load_deadline_s]).",
+    ),
     "remote_wait_s": (
         "s",
         "10.0",
@@ -160,6 +166,7 @@ class RangeConfig:
     file_dir: str | None = None
     backend_timeout_s: float = 5.0
     load_deadline_s: float = 30.0
+    min_load_deadline_s: float = 0.25
     load_mode: str = "pipelined"
     remote_wait_s: float = 10.0
     save_mode: str = "sync"
@@ -230,7 +237,8 @@ class RangeConfig:
                     "bank_bytes", "save_backlog_bytes"):
             if key in extra:
                 values[key] = _positive_int(key, extra[key], allow_zero=key.endswith("capacity_bytes"))
-        for key in ("backend_timeout_s", "load_deadline_s", "start_timeout_s", "backend_retry_s", "lease_ttl_s"):
+        for key in ("backend_timeout_s", "load_deadline_s", "min_load_deadline_s", "start_timeout_s",
+                    "backend_retry_s", "lease_ttl_s"):
             if key in extra:
                 values[key] = _positive_float(key, extra[key])
         for key in ("tier_delay_s", "tier_bandwidth_bytes_per_s", "remote_wait_s", "lookup_wait_s"):

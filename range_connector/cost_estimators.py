@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from range_connector.cost_model import Action, Decision, PrefillRate, TierEstimate, combine_shards, decide
+from range_connector.cost_model import (Action, Decision, PrefillRate, TierEstimate, combine_shards, decide,
+                                        load_time_s, recompute_time_s)
 
 if TYPE_CHECKING:
     from range_connector.calibration_file import Calibration
@@ -378,6 +379,28 @@ class CostGate:
             if self.tiers.should_probe(self.backend, time.monotonic() if now_s is None else now_s):
                 d = decide(prompt_tokens, num_computed_tokens, hit_tokens, probe=True, **args)
         return d
+
+    def predict_s(self, num_computed_tokens: int, hit_tokens: int) -> tuple[float, float]:
+        """Predicted seconds to load prompt positions ``[num_computed_tokens, hit_tokens)`` and to recompute them
+        instead (``T0 + h·s/B`` and ``Y``: :func:`~.cost_model.load_time_s`, :func:`~.cost_model.recompute_time_s`),
+        for a load whose mode the configuration chose.
+
+        Raises:
+            ValueError: ``hit_tokens < num_computed_tokens`` or a negative count.
+        """
+        tier = self.tiers.combined(self.backend, self.num_shards)
+        return (load_time_s(hit_tokens - num_computed_tokens, self.bytes_per_token, tier.bandwidth_bytes_per_s,
+                            tier.t0_s),
+                recompute_time_s(hit_tokens - num_computed_tokens, num_computed_tokens, self.rates.rate))
+
+    @staticmethod
+    def deadline_s(load_s: float, recompute_s: float, min_s: float, max_s: float) -> float:
+        """A load's deadline, seconds: twice its expected time ``load_s``, at most what recomputing its tokens would
+        cost (``recompute_s``: past that, waiting can only lose), within ``[min_s, max_s]`` (``min_s`` keeps timer
+        noise and a first, seed-based estimate from failing healthy loads; ``max_s`` is the configured
+        ``load_deadline_s``). DESIGN.md §4 "Load": a slow tier holds a request no longer than this.
+        """
+        return min(max_s, max(min_s, min(2.0 * load_s, recompute_s)))
 
     def commit(self, decision: Decision) -> None:
         """Count a decision vLLM acted on (call once per request, not once per lookup)."""

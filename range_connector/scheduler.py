@@ -33,9 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm." + __name__)
 
-#: the shortest deadline the cost model gives a load (seconds): below it, timer noise alone would fail loads
-_MIN_LOAD_DEADLINE_S = 0.05
-
 
 def settings_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
     """``"key: theirs != ours, ..."`` for every setting both sides name with different values ("" if none)."""
@@ -85,6 +82,8 @@ class _Lookup:
     tail_hash: ChunkHash | None = None
     has_tail: bool = False
     decision: Decision | None = None
+    #: predicted (load_s, recompute_s) of the hit, when the configuration chose its mode (no gate decision)
+    predicted_s: tuple[float, float] | None = None
 
 
 class RangeScheduler:
@@ -140,9 +139,10 @@ class RangeScheduler:
         self._loads: list[RequestTransfer] = []
         self._requests: dict[str, _RequestState] = {}
         self._lookup_down_until = 0.0  # monotonic time before which lookups are misses (a shard just failed)
-        #: with load_mode "auto": the cost model's gate (takes, shortens or refuses each hit; picks its load mode)
+        #: the cost model: with load_mode "auto" its gate takes, shortens or refuses each hit and picks its load mode;
+        #: in every mode its estimators (learned from the engine's steps and the loads) give each load its deadline
         self.gate: CostGate | None = None
-        if config.load_mode == "auto" and num_layers > 0 and layer_block_bytes > 0:
+        if can_load and num_layers > 0 and layer_block_bytes > 0:
             calibration = load_calibration(config.calibration_file) if config.calibration_file else None
             self.gate = CostGate(config.backend, config.num_shards,
                                  layout_bytes_per_token(layer_block_bytes, num_layers, block_size), num_layers,
@@ -258,6 +258,8 @@ class RangeScheduler:
                                                          lookup)
                 lookup.num_hit_tokens = hit = max(num_computed_tokens, lookup.decision.hit_tokens)
                 lookup.mode = lookup.decision.mode.value
+        elif self.gate is not None and hit > num_computed_tokens and not has_tail:
+            lookup.predicted_s = self.gate.predict_s(num_computed_tokens, hit)
         external = max(0, hit - num_computed_tokens)
         return external, external > 0 and lookup.mode == "async"
 
@@ -370,10 +372,13 @@ class RangeScheduler:
             chunks.append(ChunkTransfer(chunk_idx, chunk_hash, tuple(positions),  # type: ignore[arg-type]
                                         tuple(block_ids[chunk_idx * bpc + p] for p in positions),
                                         lookup.tickets[chunk_idx]))
-        deadline_s = None
-        if lookup.decision is not None:  # twice the predicted load, at least what recomputing would cost
-            d = lookup.decision
-            deadline_s = min(self.config.load_deadline_s, max(2.0 * d.load_s, d.recompute_s, _MIN_LOAD_DEADLINE_S))
+        # Twice the predicted load, at most what recomputing would cost (CostGate.deadline_s). A producer's whole
+        # prompt (a tail) has no prediction: it is waited for up to load_deadline_s (a decode engine exists to load
+        # it).
+        predicted = (lookup.decision.load_s, lookup.decision.recompute_s) if lookup.decision is not None \
+            else lookup.predicted_s
+        deadline_s = None if predicted is None else \
+            CostGate.deadline_s(*predicted, self.config.min_load_deadline_s, self.config.load_deadline_s)
         self._loads.append(RequestTransfer(request.request_id, tuple(chunks), num_external_tokens, mode=lookup.mode,
                                            deadline_s=deadline_s))
         self.stats["promised_tokens"] += num_external_tokens

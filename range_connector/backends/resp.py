@@ -31,6 +31,10 @@ Arg = bytes | bytearray | memoryview | str | int
 
 _INLINE_MAX_BYTES = 16 * 1024  # arguments at least this long are sent by reference, not copied into the header
 _IOV_MAX = 1024  # Linux limit on buffers per sendmsg call
+#: a scattered receive offers at most about this many bytes of pieces per ``recvmsg_into``: more than a socket holds
+#: at once (so a call is never short of room), few enough that building the buffer list does not cost more than the
+#: receive (offering every remaining piece of a 16 MiB reply each call cost ~25% of the read; bench/granularity.py)
+_IOV_WINDOW_BYTES = 8 * 1024 * 1024
 _READ_BUFFER_BYTES = 1024 * 1024  # many small replies per recv; smaller buffers or header-sized recvs were no faster
 _TIMEOUT_SLACK_S = 0.01  # a socket operation may end this much after the deadline
 
@@ -292,7 +296,7 @@ class RespConnection:
             iov = [pieces[idx][off:]]
             room = iov[0].nbytes
             end = idx + 1
-            while room < left and end < len(pieces) and len(iov) < _IOV_MAX:
+            while room < left and end < len(pieces) and len(iov) < _IOV_MAX and room < _IOV_WINDOW_BYTES:
                 iov.append(pieces[end])
                 room += pieces[end].nbytes
                 end += 1

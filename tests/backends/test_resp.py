@@ -156,6 +156,23 @@ def test_scatter_dest_receives_a_reply_across_pieces_and_leaves_the_next_reply_i
 
 
 @pytest.mark.timeout(30)
+def test_scatter_dest_of_many_small_pieces_beyond_one_receive_window(conn: RespConnection) -> None:
+    # 400 rows of 64 KiB (25 MiB): more pieces than one recvmsg_into is offered (resp._IOV_WINDOW_BYTES).
+    rng = random.Random(4)
+    payload = rng.randbytes(400 * 65_536)
+    order = list(range(400))
+    rng.shuffle(order)
+    buffer = bytearray(len(payload))
+    pieces = _scatter(buffer, [65_536] * 400, order)
+    conn.execute_into([[b"SET", b"resp:rows", payload]], [None], deadline_s=_deadline())
+    digest = xxhash.xxh3_64()
+    assert conn.execute_into([[b"GET", b"resp:rows"]], [ScatterDest(pieces, _CountingGate(), digest)],
+                             deadline_s=_deadline()) == [len(payload)]
+    assert b"".join(bytes(p) for p in pieces) == payload
+    assert digest.intdigest() == xxhash.xxh3_64_intdigest(payload)
+
+
+@pytest.mark.timeout(30)
 def test_scatter_gate_refusal_ends_the_read_closes_the_connection_and_writes_nothing_after(
         conn: RespConnection) -> None:
     payload = random.Random(4).randbytes(32 * MiB)

@@ -130,7 +130,9 @@ def test_async_load_does_not_delay_the_other_requests_of_the_batch() -> None:
     prompt = prompt_tokens(150, seed=55)
     a, a_blocks = produce(inner, prompt, num_shards=2)
     flaky = wrap(inner)
-    b = Engine(flaky, num_shards=2, seed=56, load_mode="async")  # type: ignore[arg-type]
+    # min_load_deadline_s: this test waits for the slow load (the cost model's deadline would have cut it at what
+    # recomputing 128 tokens costs; see test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take)
+    b = Engine(flaky, num_shards=2, seed=56, load_mode="async", min_load_deadline_s=5.0)  # type: ignore[arg-type]
     assert b.admit(FakeRequest("C-0", prompt_tokens(40, seed=57))) == 0  # another request, computing
     b.step()
     for f in flaky:
@@ -226,6 +228,44 @@ def test_case_C21_frozen_tier_gives_up_at_the_deadline_and_the_prompt_is_recompu
         assert b.resume_after_load("B-0", res.invalid_block_ids) == 0  # recomputed from the start
         b.step()
     time.sleep(backend_s + 0.1)
+    assert _settled(b, inner)
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "pipelined"])
+def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: str) -> None:
+    # No gate decides here (the mode is fixed), but the cost model's estimators still bound the load: its deadline is
+    # twice the expected load, at most the predicted recompute (load_deadline_s is left at 30 s).
+    from range_connector.cost_estimators import RateEstimator
+    from range_connector.cost_model import PrefillRate
+
+    inner = shard_backends(1, 1)
+    prompt = prompt_tokens(150, seed=64)
+    a, _ = produce(inner, prompt)
+    slow = wrap(inner)
+    b = Engine(slow, seed=65, load_mode=mode, min_load_deadline_s=0.05)  # type: ignore[arg-type]
+    recompute_s = 0.4
+    b.sched.gate.rates = RateEstimator(PrefillRate.constant(128 / recompute_s))  # 128 tokens take 0.4 s to prefill
+    b.sched.gate.tiers.observe("memory", 0, 1 << 20, 5.0)  # the tier was measured slow: 5 s per MiB
+    for f in slow:
+        f.read_delay_s = 3.0
+    t0 = time.monotonic()
+    if mode == "async":
+        assert b.admit_async(FakeRequest("B-0", prompt)) == 128
+        dst = list(b.waiting_for_kv["B-0"].block_ids)
+    else:
+        assert b.admit(FakeRequest("B-0", prompt)) == 128
+        dst = list(b.running["B-0"].block_ids)
+    (planned,) = b.sched._loads
+    assert planned.deadline_s == pytest.approx(recompute_s, rel=0.01)  # 2 x expected is far longer: recompute wins
+    res = _run_until_loaded(b, "B-0") if mode == "async" else b.step(forward=False)
+    waited_s = time.monotonic() - t0
+    assert waited_s < recompute_s + 0.5, f"a slow tier held the request {waited_s:.2f} s"
+    assert res.invalid_block_ids == set(dst[:8])
+    assert b.worker.stats["load_deadline_misses"] >= 1
+    time.sleep(3.2)  # the hung reads return; their leases and banks come back
     assert _settled(b, inner)
     a.close()
     b.close()
