@@ -157,6 +157,7 @@ class LoadJob:
         failure: the affected chunks fail."""
         w = self.w
         wanted: dict[tuple[int, str], list[Ticket]] = defaultdict(list)
+        seen: set[tuple[int, str, int, int]] = set()  # (shard, stripe, first block, blocks): work per chunk stays O(1)
         for req in self.reqs:
             if req.fail or not req.chunks:
                 if req.chunks:
@@ -166,7 +167,8 @@ class LoadJob:
                 for s, t in enumerate(chunk.tickets):
                     if not w.ticket_fits(t):
                         self._fail(req.req_id, chunk.chunk_idx)
-                    elif t not in wanted[(s, t.stripe_id)]:
+                    elif (key := (s, t.stripe_id, t.block_offset, t.num_blocks)) not in seen:
+                        seen.add(key)
                         wanted[(s, t.stripe_id)].append(t)
         self.segments = plan_segments(wanted)
         self._seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in self.segments}
@@ -480,9 +482,12 @@ class LoadJob:
         except Exception as exc:  # deadline or a failed read task: nothing more can be trusted
             self._give_up(g, str(exc) or type(exc).__name__)
             return
-        for req, chunk, _parts, _src, _dst in self._plan:
-            if self._alive(req, chunk):
-                self._chunk_present(req, chunk)
+        with self._state_lock:
+            any_lost = bool(self._missing or self._errored)
+        if any_lost:  # (a whole load of healthy stripes costs nothing per chunk here)
+            for req, chunk, _parts, _src, _dst in self._plan:
+                if self._alive(req, chunk):
+                    self._chunk_present(req, chunk)
         if self.w.config.verify_checksums:
             assert self.direct is not None
             self._verify_group(group, self.direct.sums)
@@ -500,6 +505,8 @@ class LoadJob:
             if t.stripe_checksums and seg.first_block == 0 and seg.num_blocks == t.stripe_blocks:
                 sums = sums_of(group, seg.bank_row, seg.num_blocks)
                 whole_ok[(seg.shard_idx, t.stripe_id)] = sums == [t.stripe_checksums[i] for i in group]
+        if len(whole_ok) == len(self.segments) and all(whole_ok.values()):
+            return  # every segment is a whole stripe that verified: so is every chunk in it
         for req, chunk, parts, _src, _dst in self._plan:
             if not self._alive(req, chunk):
                 continue

@@ -130,9 +130,9 @@ def test_async_load_does_not_delay_the_other_requests_of_the_batch() -> None:
     prompt = prompt_tokens(150, seed=55)
     a, a_blocks = produce(inner, prompt, num_shards=2)
     flaky = wrap(inner)
-    # min_load_deadline_s: this test waits for the slow load (the cost model's deadline would have cut it at what
-    # recomputing 128 tokens costs; see test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take)
-    b = Engine(flaky, num_shards=2, seed=56, load_mode="async", min_load_deadline_s=5.0)  # type: ignore[arg-type]
+    # (Engine's min_load_deadline_s of 5 s lets this slow load land; with the cost model's deadline alone it would be
+    # cut at what recomputing 128 tokens costs: test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take)
+    b = Engine(flaky, num_shards=2, seed=56, load_mode="async")  # type: ignore[arg-type]
     assert b.admit(FakeRequest("C-0", prompt_tokens(40, seed=57))) == 0  # another request, computing
     b.step()
     for f in flaky:

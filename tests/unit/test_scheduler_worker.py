@@ -261,6 +261,9 @@ class Engine:
     def __init__(self, backends: list[Backend], *, num_shards: int = 1, chunk_tokens: int = 32, kind: str = "dense",
                  lookup_backends: list[Backend] | None | str = "same", can_load: bool = True, can_save: bool = True,
                  seed: int = 0, **config: Any) -> None:
+        # This engine has no forward pass for the cost model to measure: its seed estimates would give every load a
+        # deadline of min_load_deadline_s, which a busy test machine can overrun. Tests of deadlines set their own.
+        config.setdefault("min_load_deadline_s", 5.0)
         self.config = RangeConfig(backend="memory", num_shards=num_shards, chunk_tokens=chunk_tokens,
                                   **config).resolve(BLOCK)
         self.kind = kind
