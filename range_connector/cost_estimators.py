@@ -230,6 +230,16 @@ class TierEstimator:
         """Loads learned from for one shard."""
         return self._fit(backend, shard_idx).num_samples
 
+    def probe_due(self, backend: str, now_s: float) -> bool:
+        """Whether :meth:`should_probe` would allow a probe at ``now_s`` for one more refused offer (no side effect)."""
+        last = self._last_probe_s.get(backend)
+        return last is None or (now_s - last >= self.probe_interval_s
+                                and self._refusals.get(backend, 0) + 1 >= self.probe_every_refusals)
+
+    def note_refusal(self, backend: str) -> None:
+        """Count a refused offer toward the next probe without asking for one (see :meth:`should_probe`)."""
+        self._refusals[backend] = self._refusals.get(backend, 0) + 1
+
     def should_probe(self, backend: str, now_s: float) -> bool:
         """Whether a refused ``backend`` may be probed at ``now_s`` (monotonic seconds); records the probe if so.
 
@@ -370,14 +380,33 @@ class CostGate:
         Raises:
             ValueError: inconsistent inputs.
         """
-        args = dict(bytes_per_token=self.bytes_per_token, tier=self.tiers.combined(self.backend, self.num_shards),
-                    rate=self.rates.rate, num_layers=self.num_layers, block_size=self.block_size,
-                    chunk_tokens=self.chunk_tokens, step_s=self.rates.step_s,
-                    async_step_ratio=self.config.async_step_ratio, min_saving_s=self.config.min_saving_s)
+        args = self._decide_args()
         d = decide(prompt_tokens, num_computed_tokens, hit_tokens, **args)
         if d.action is Action.REFUSE and d.offered_tokens > 0:
             if self.tiers.should_probe(self.backend, time.monotonic() if now_s is None else now_s):
                 d = decide(prompt_tokens, num_computed_tokens, hit_tokens, probe=True, **args)
+        return d
+
+    def refuses_any_hit(self, prompt_tokens: int, num_computed_tokens: int, block_size: int,
+                        now_s: float | None = None) -> Decision | None:
+        """The refusal of the largest hit this prompt could have (all of it but its last token), when even that
+        would not pay and no probe is due, else ``None``: a request the tier cannot help, whatever is stored.
+
+        With it the scheduler skips the request's lookup and save (a tier slower than recompute then costs the
+        engine nothing but its probes). Counts as one refused offer toward the next probe.
+
+        Raises:
+            ValueError: inconsistent inputs.
+        """
+        best = (max(0, prompt_tokens - 1) // block_size) * block_size
+        if best <= num_computed_tokens:
+            return None
+        d = decide(prompt_tokens, num_computed_tokens, best, **self._decide_args())
+        if d.action is not Action.REFUSE:
+            return None
+        if self.tiers.probe_due(self.backend, time.monotonic() if now_s is None else now_s):
+            return None  # looked up as usual, so that decide() can make this request the probe
+        self.tiers.note_refusal(self.backend)
         return d
 
     def predict_s(self, num_computed_tokens: int, hit_tokens: int) -> tuple[float, float]:
@@ -392,6 +421,12 @@ class CostGate:
         return (load_time_s(hit_tokens - num_computed_tokens, self.bytes_per_token, tier.bandwidth_bytes_per_s,
                             tier.t0_s),
                 recompute_time_s(hit_tokens - num_computed_tokens, num_computed_tokens, self.rates.rate))
+
+    def _decide_args(self) -> dict:
+        return dict(bytes_per_token=self.bytes_per_token, tier=self.tiers.combined(self.backend, self.num_shards),
+                    rate=self.rates.rate, num_layers=self.num_layers, block_size=self.block_size,
+                    chunk_tokens=self.chunk_tokens, step_s=self.rates.step_s,
+                    async_step_ratio=self.config.async_step_ratio, min_saving_s=self.config.min_saving_s)
 
     @staticmethod
     def deadline_s(load_s: float, recompute_s: float, min_s: float, max_s: float) -> float:

@@ -69,6 +69,7 @@ class _RequestState:
     num_saved_chunks: int = 0  # chunks [0, num_saved_chunks) are stored or scheduled for saving
     tail_saved: bool = False
     num_stored_chunks: int = 0  # full chunks the tier held at lookup (a load of them that timed out left them there)
+    skip_saves: bool = False  # the tier could not pay for any hit of this prompt: it was not looked up, nor is saved
 
 
 @dataclass
@@ -84,6 +85,7 @@ class _Lookup:
     decision: Decision | None = None
     #: predicted (load_s, recompute_s) of the hit, when the configuration chose its mode (no gate decision)
     predicted_s: tuple[float, float] | None = None
+    skip_saves: bool = False  # see _RequestState.skip_saves
 
 
 class RangeScheduler:
@@ -153,7 +155,8 @@ class RangeScheduler:
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
         self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
                                       "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
-                                      "settings_mismatches": 0, "reoffers_refused": 0, "lookups_pending": 0}
+                                      "settings_mismatches": 0, "reoffers_refused": 0, "lookups_pending": 0,
+                                      "lookups_skipped_unprofitable": 0}
         #: promised tokens of each load, settled as loaded, failed or aborted once the workers report it
         self.tally = LoadTally()
 
@@ -227,6 +230,13 @@ class RangeScheduler:
         promises nothing.
         """
         hashes, tail = self._chain(request)
+        refusal = self._refused_unseen(request, num_computed_tokens)
+        if refusal is not None:
+            lookup = _Lookup(hashes, [], 0, num_computed_tokens, num_computed_tokens, "pipelined", tail,
+                             decision=refusal, skip_saves=True)
+            self._lookups[request.request_id] = lookup
+            self.stats["lookups_skipped_unprofitable"] += 1
+            return 0, False
         tickets = self._lookup(request.request_id, hashes, tail)
         if tickets is None:
             self.stats["lookups_pending"] += 1
@@ -262,6 +272,21 @@ class RangeScheduler:
             lookup.predicted_s = self.gate.predict_s(num_computed_tokens, hit)
         external = max(0, hit - num_computed_tokens)
         return external, external > 0 and lookup.mode == "async"
+
+    def _refused_unseen(self, request: Request, num_computed_tokens: int) -> Decision | None:
+        """With ``load_mode`` ``auto`` on a tier that lives elsewhere: the gate's refusal when no hit of this prompt
+        could pay (the tier is slower than recompute for it) and no probe is due; the request is then neither
+        looked up nor saved (:meth:`CostGate.refuses_any_hit`). Producers and a request whose previous lookup is
+        still running are always looked up."""
+        if (self.gate is None or self.config.load_mode != "auto" or not self.can_load or self.lookup_backends is None
+                or request.request_id in self._pending_lookups):
+            return None
+        decision = self.gate.refuses_any_hit(len(request.prompt_token_ids or []), num_computed_tokens,
+                                             self.block_size)
+        if decision is None:
+            return None
+        # (counted as a refusal: its offered_tokens is the prompt's largest possible hit, not a stored one)
+        return dataclasses.replace(decision, hit_tokens=num_computed_tokens, reason="not looked up: " + decision.reason)
 
     def _lookup(self, req_id: str, hashes: list[ChunkHash], tail: ChunkHash | None) -> list[tuple[Ticket, ...]] | None:
         """:meth:`stored_prefix`, waiting at most ``lookup_wait_s`` for a tier that lives elsewhere; ``None`` while
@@ -340,6 +365,8 @@ class RangeScheduler:
             self.gate.commit(lookup.decision)
             if num_external_tokens > 0:
                 self._decisions[request.request_id] = lookup.decision
+        if lookup is not None and lookup.skip_saves:
+            state.skip_saves = True
         if lookup is not None and self.can_save:
             # Chunks already stored are not saved again.
             state.num_saved_chunks = max(state.num_saved_chunks, lookup.num_stored_chunks)
@@ -478,6 +505,8 @@ class RangeScheduler:
         return meta
 
     def _plan_save(self, state: _RequestState, num_computed_tokens: int) -> RequestTransfer | None:
+        if state.skip_saves:
+            return None
         bpc = self.plan.blocks_per_chunk
         num_full = min(num_computed_tokens, len(state.prompt_token_ids)) // self.chunk_tokens
         num_full = min(num_full, len(state.chunk_hashes), len(state.block_ids) // bpc)

@@ -439,6 +439,35 @@ def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast() 
     b.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_tier_that_cannot_pay_for_any_hit_is_neither_looked_up_nor_written_between_probes() -> None:
+    # The gate believes the tier delivers 1 kB/s: even a whole-prompt hit would lose to recomputing. Between probes a
+    # request costs the tier nothing: no lookup, no save (counted from the backend's own call counters).
+    from range_connector.cost_estimators import CostGate, GateConfig
+
+    flaky = wrap(shard_backends(1, 1))
+    b = Engine(flaky, seed=87, load_mode="auto")  # type: ignore[arg-type]
+    assert b.sched.gate is not None
+    b.sched.gate = gate = CostGate("memory", 1, b.sched.gate.bytes_per_token, len(LAYERS), BLOCK, b.chunk_tokens,
+                                   config=GateConfig(seed_bandwidth_bytes_per_s=1e3, probe_interval_s=0.0,
+                                                     probe_every_refusals=3))
+    assert gate.tiers.should_probe("memory", time.monotonic())  # a probe just went out: the next is 3 refusals away
+    (f,) = flaky
+    lookups, writes = f.calls["get_tickets"], f.calls["write_stripe"]
+    for i in (1, 2):  # the next two are neither looked up nor saved
+        assert b.admit(FakeRequest(f"N-{i}", prompt_tokens(150, seed=90 + i))) == 0
+        b.step()
+    assert b.worker.wait_for_saves(5.0)
+    assert (f.calls["get_tickets"], f.calls["write_stripe"]) == (lookups, writes)
+    assert b.sched.stats["lookups_skipped_unprofitable"] == 2
+    assert gate.stats.snapshot()["decisions_refused"] == 2  # still counted as refusals
+    assert b.admit(FakeRequest("N-3", prompt_tokens(150, seed=93))) == 0  # a probe is due again: looked up
+    b.step()
+    assert b.worker.wait_for_saves(5.0)
+    assert f.calls["get_tickets"] > lookups and f.calls["write_stripe"] > writes
+    b.close()
+
+
 # ---------------------------------------------------------------------------------------------------- slow tier, engine steps
 def _slow(backends, *, delay_s: float = 0.0, write_bandwidth: float = 0.0):
     from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
