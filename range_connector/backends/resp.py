@@ -32,8 +32,9 @@ Arg = bytes | bytearray | memoryview | str | int
 _INLINE_MAX_BYTES = 16 * 1024  # arguments at least this long are sent by reference, not copied into the header
 _IOV_MAX = 1024  # Linux limit on buffers per sendmsg call
 #: a scattered receive offers at most about this many bytes of pieces per ``recvmsg_into``: more than a socket holds
-#: at once (so a call is never short of room), few enough that building the buffer list does not cost more than the
-#: receive (offering every remaining piece of a 16 MiB reply each call cost ~25% of the read; bench/granularity.py)
+#: at once (so a call is never short of room), few enough that the buffer list built for each call stays short (a
+#: 16 MiB reply into 64 KiB rows is 256 pieces, and a receive returns about 1 MiB: offering every remaining piece
+#: each time made the Python work per reply grow with the square of its pieces)
 _IOV_WINDOW_BYTES = 8 * 1024 * 1024
 _READ_BUFFER_BYTES = 1024 * 1024  # many small replies per recv; smaller buffers or header-sized recvs were no faster
 _TIMEOUT_SLACK_S = 0.01  # a socket operation may end this much after the deadline
