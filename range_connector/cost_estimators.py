@@ -387,7 +387,7 @@ class CostGate:
                 d = decide(prompt_tokens, num_computed_tokens, hit_tokens, probe=True, **args)
         return d
 
-    def refuses_any_hit(self, prompt_tokens: int, num_computed_tokens: int, block_size: int,
+    def refuses_any_hit(self, prompt_tokens: int, num_computed_tokens: int,
                         now_s: float | None = None) -> Decision | None:
         """The refusal of the largest hit this prompt could have (all of it but its last token), when even that
         would not pay and no probe is due, else ``None``: a request the tier cannot help, whatever is stored.
@@ -398,7 +398,7 @@ class CostGate:
         Raises:
             ValueError: inconsistent inputs.
         """
-        best = (max(0, prompt_tokens - 1) // block_size) * block_size
+        best = (max(0, prompt_tokens - 1) // self.block_size) * self.block_size
         if best <= num_computed_tokens:
             return None
         d = decide(prompt_tokens, num_computed_tokens, best, **self._decide_args())

@@ -281,8 +281,7 @@ class RangeScheduler:
         if (self.gate is None or self.config.load_mode != "auto" or not self.can_load or self.lookup_backends is None
                 or request.request_id in self._pending_lookups):
             return None
-        decision = self.gate.refuses_any_hit(len(request.prompt_token_ids or []), num_computed_tokens,
-                                             self.block_size)
+        decision = self.gate.refuses_any_hit(len(request.prompt_token_ids or []), num_computed_tokens)
         if decision is None:
             return None
         # (counted as a refusal: its offered_tokens is the prompt's largest possible hit, not a stored one)
