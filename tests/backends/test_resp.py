@@ -157,7 +157,7 @@ def test_scatter_dest_receives_a_reply_across_pieces_and_leaves_the_next_reply_i
 
 @pytest.mark.timeout(30)
 def test_scatter_dest_of_many_small_pieces_beyond_one_receive_window(conn: RespConnection) -> None:
-    # 400 rows of 64 KiB (25 MiB): more pieces than one recvmsg_into is offered (resp._IOV_WINDOW_BYTES).
+    # 400 rows of 64 KiB (25 MiB): more pieces than one recvmsg_into is offered (resp._SCATTER_RECV_BYTES).
     rng = random.Random(4)
     payload = rng.randbytes(400 * 65_536)
     order = list(range(400))
