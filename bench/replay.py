@@ -289,11 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     requests = build_requests(trace, PromptBuilder(vocab, seed=args.seed))
     prime_prompt = PromptBuilder(vocab, seed=PRIME_SEED).block(0, 64).tolist()
     info = trace.describe()
-    _log(f"trace: {info['source']} ({info['format']}), {info['num_requests']} requests over "
-         f"{info['duration_s']:.1f} s, {info['input_tokens']} prompt and {info['output_tokens']} output tokens, "
-         f"best possible prefix-hit share {info['best_prefix_hit_share']:.1%}")
-    for note in info["transforms"]:
-        _log(f"  transform: {note}")
+    for line in trace.describe_lines():
+        _log(line)
     load_start = os.getloadavg()
     reports: list[ReplayReport] = []
     if args.endpoint:

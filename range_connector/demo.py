@@ -364,11 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         except (TraceError, OSError) as exc:
             raise DemoError(f"--trace: {exc}") from exc
         info = trace.describe()
-        _log(f"trace: {info['source']}: {info['num_requests']} requests over {info['duration_s']:.0f} s, "
-             f"{info['input_tokens']} prompt and {info['output_tokens']} output tokens, longest prompt "
-             f"{info['max_input_tokens']}, at best {info['best_prefix_hit_share']:.0%} from a prefix cache")
-        for note in info["transforms"]:
-            _log(f"  transform: {note}")
+        for line in trace.describe_lines():
+            _log(line)
         _log(f"building (or finding) the {args.model_size} GQA model")
         model_dir = build_model("gqa", args.model_size)
         vocab = normal_vocab_token_ids(model_dir)

@@ -118,6 +118,15 @@ class Trace:
             "best_prefix_hit_share": best_prefix_hit_share(self),
         }
 
+    def describe_lines(self) -> list[str]:
+        """:meth:`describe` as log lines: one summary line, then one line per transform applied."""
+        info = self.describe()
+        head = (f"trace: {info['source']} ({info['format']}): {info['num_requests']} requests over "
+                f"{info['duration_s']:.1f} s, {info['input_tokens']} prompt and {info['output_tokens']} output tokens, "
+                f"longest prompt {info['max_input_tokens']}, at best {info['best_prefix_hit_share']:.1%} from a "
+                f"prefix cache")
+        return [head] + [f"  transform: {note}" for note in info["transforms"]]
+
 
 def _num_blocks(num_tokens: int, block_tokens: int) -> int:
     return -(-num_tokens // block_tokens)
