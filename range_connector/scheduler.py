@@ -156,7 +156,8 @@ class RangeScheduler:
         self.stats: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "lookups_skipped": 0, "promised_tokens": 0,
                                       "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
                                       "settings_mismatches": 0, "reoffers_refused": 0, "lookups_pending": 0,
-                                      "lookups_skipped_unprofitable": 0}
+                                      "lookups_skipped_unprofitable": 0, "loads_not_started_late": 0,
+                                      "late_load_probes": 0}
         #: promised tokens of each load, settled as loaded, failed or aborted once the workers report it
         self.tally = LoadTally()
 
@@ -270,6 +271,8 @@ class RangeScheduler:
                 lookup.mode = lookup.decision.mode.value
         elif self.gate is not None and hit > num_computed_tokens and not has_tail:
             lookup.predicted_s = self.gate.predict_s(num_computed_tokens, hit)
+            if self._late_before_start(lookup):
+                lookup.num_hit_tokens = hit = num_computed_tokens
         external = max(0, hit - num_computed_tokens)
         return external, external > 0 and lookup.mode == "async"
 
@@ -317,6 +320,32 @@ class RangeScheduler:
         c = lookup.num_computed_tokens
         return dataclasses.replace(decision, action=Action.REFUSE, hit_tokens=c, num_new_tokens=0,
                                    with_load_s=decision.without_load_s, reason="probe: one chunk read in the background")
+
+    def _late_before_start(self, lookup: _Lookup) -> bool:
+        """In ``load_mode`` ``pipelined`` or ``async`` on a tier that lives elsewhere: whether the load is predicted to
+        take longer than its own deadline (:meth:`CostGate.deadline_s`: bounded by what recomputing its tokens would
+        cost), so that starting it could only make the request wait out the deadline before recomputing anyway. Such
+        a hit is not offered (stat ``loads_not_started_late``); when a probe is due (the gate's clock: at most one per
+        ``probe_interval_s`` and per ``probe_every_refusals`` such hits) one of its chunks is read in the background
+        instead, so that a tier that became fast again is offered again. ``sync`` (kept for comparison) always
+        loads."""
+        if lookup.mode == "sync" or self.lookup_backends is None or lookup.predicted_s is None:
+            return False
+        load_s, recompute_s = lookup.predicted_s
+        deadline_s = CostGate.deadline_s(load_s, recompute_s, self.config.min_load_deadline_s,
+                                         self.config.load_deadline_s)
+        if load_s <= deadline_s:
+            return False
+        self.stats["loads_not_started_late"] += 1
+        now = time.monotonic()
+        chunk_idx = lookup.num_computed_tokens // self.chunk_tokens
+        if now < self._probe_until or chunk_idx >= len(lookup.tickets):
+            self.gate.tiers.note_refusal(self.gate.backend)  # (a probe is in flight)
+        elif self.gate.tiers.should_probe(self.gate.backend, now):
+            self._probes.append(lookup.tickets[chunk_idx])
+            self._probe_until = now + 2.0 * self.config.backend_timeout_s
+            self.stats["late_load_probes"] += 1
+        return True
 
     def _wait_for_announced_kv(self, request: Request, hit: int) -> bool:
         """Whether to wait for KV that a producer announced in ``kv_transfer_params`` (disaggregated prefill) and

@@ -248,7 +248,9 @@ def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: st
     b = Engine(slow, seed=65, load_mode=mode, min_load_deadline_s=0.05)  # type: ignore[arg-type]
     recompute_s = 0.4
     b.sched.gate.rates = RateEstimator(PrefillRate.constant(128 / recompute_s))  # 128 tokens take 0.4 s to prefill
-    b.sched.gate.tiers.observe("memory", 0, 1 << 20, 5.0)  # the tier was measured slow: 5 s per MiB
+    # The tier was measured slowish (0.3 s per MiB: this load predicted at 0.27 s, so it is started; a tier predicted
+    # slower than the deadline is not loaded at all, see the next test); then it turns much slower.
+    b.sched.gate.tiers.observe("memory", 0, 1 << 20, 0.3)
     for f in slow:
         f.read_delay_s = 3.0
     t0 = time.monotonic()
@@ -267,6 +269,50 @@ def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: st
     assert b.worker.stats["load_deadline_misses"] >= 1
     time.sleep(3.2)  # the hung reads return; their leases and banks come back
     assert _settled(b, inner)
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["async", "pipelined"])
+def test_a_load_predicted_to_miss_its_deadline_is_not_started_and_the_tier_is_probed_instead(mode: str) -> None:
+    # The estimators believe the tier delivers 1 kB/s (clamped to 100 kB/s): loading the hit would take longer than its deadline
+    # (bounded by the 0.4 s that recomputing it costs), so starting it could only make the request wait 0.4 s and then
+    # recompute. The hit is not offered; one of its chunks is read in the background instead, and the tier, in fact
+    # fast, is offered again once that timing is back. No request waited, nothing was written into the KV cache.
+    from range_connector.cost_estimators import CostGate, GateConfig, RateEstimator
+    from range_connector.cost_model import PrefillRate
+
+    inner = shard_backends(1, 1)
+    prompt = prompt_tokens(150, seed=66)
+    a, _ = produce(inner, prompt)
+    flaky = wrap(inner)
+    b = Engine(flaky, seed=67, load_mode=mode, min_load_deadline_s=0.05)  # type: ignore[arg-type]
+    assert b.sched.gate is not None
+    b.sched.gate = CostGate("memory", 1, b.sched.gate.bytes_per_token, len(LAYERS), BLOCK, b.chunk_tokens,
+                            config=GateConfig(seed_bandwidth_bytes_per_s=1e3, probe_interval_s=0.0,
+                                              probe_every_refusals=1))
+    b.sched.gate.rates = RateEstimator(PrefillRate.constant(128 / 0.4))
+    load_s, recompute_s = b.sched.gate.predict_s(0, 128)
+    assert load_s > recompute_s == pytest.approx(0.4)
+    t0 = time.monotonic()
+    assert b.admit(FakeRequest("B-0", prompt)) == 0  # not offered
+    res = b.step(snapshots=True)
+    assert time.monotonic() - t0 < 2.0
+    assert res.meta.loads == [] and len(res.meta.probes) == 1
+    assert b.sched.stats["loads_not_started_late"] == 1 and b.sched.stats["late_load_probes"] == 1
+    deadline = time.monotonic() + 10
+    while not b.worker.stats["probes"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (f,) = flaky
+    assert f.calls["read_ranges"] == 1  # the probe's one batched read, in the background
+    assert changed_blocks(res.before, res.after_load) == set()
+    b.finish("B-0")
+    res2 = b.step(forward=False)
+    assert [t for r in (res, res2) if r.worker_meta is not None for t in r.worker_meta.probe_timings]
+    ext, _ = b.sched.get_num_new_matched_tokens(FakeRequest("B-1", prompt), 0)
+    assert ext == 128  # the probe measured a fast tier: the hit is offered again
+    assert b.sched.stats["loads_not_started_late"] == 1
     a.close()
     b.close()
 
