@@ -278,6 +278,9 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
         raise ConfigError("--vocab-size", "needed to measure a server without --model")
     if opts.backends and num_layers is None:
         raise ConfigError("--num-layers", "needed to measure tiers without --model")
+    if opts.backends and len(set(opts.read_bytes)) < 2:
+        raise ConfigError("--read-mib", "give at least two different sizes: B and T0 are fitted as a line through "
+                                        "the read times")
     # No byte budget for our own stripes: a budget would make room by evicting the tier's real stripes.
     config = dataclasses.replace(RangeConfig.from_extra_config(opts.extra_config), shard_capacity_bytes=0,
                                  memory_capacity_bytes=0)
@@ -316,5 +319,8 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
                                     engine_t0_s=opts.engine_t0_s)
     from range_connector.calibration_file import write_calibration
 
-    report(f"wrote {write_calibration(calibration, opts.output)}")
+    try:
+        report(f"wrote {write_calibration(calibration, opts.output)}")
+    except OSError as exc:
+        raise ConfigError("--output", f"cannot write the calibration file: {exc}") from exc
     return calibration

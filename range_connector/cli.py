@@ -433,6 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RangeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except OSError as exc:  # a directory or file given on the command line cannot be used (the message names it)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

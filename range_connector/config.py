@@ -334,7 +334,7 @@ def _positive_int(key: str, value: Any, *, allow_zero: bool = False) -> int:
 
 def _positive_float(key: str, value: Any, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        unit = "seconds" if key.endswith("_s") else "bytes per second" if key.endswith("_per_s") else "units"
+        unit = "bytes per second" if key.endswith("_per_s") else "seconds" if key.endswith("_s") else "units"
         raise ConfigError(key, f"{value!r} is not a number of {unit}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(key, f"{value} must be {'>= 0' if allow_zero else '> 0'}")

@@ -37,10 +37,10 @@ model                                      prefill tokens/s             TTFT 2,0
 =========================================  ===========================  ============  ===========
 
 The bench model is fast enough: the scaled synthetic trace needs about 5,000 tokens of prefill that no prefix cache
-can serve (15-20 s of one core) within its 47 s of arrivals, and the whole demo takes about 6-8 minutes. It is
-the one worth showing: its KV per token is an 8B Llama's, so the 2.5 GB of KV the decode engine loads is real
-work for the tier, where the tiny model's 2 KiB a token would make every load free. ``--model-size tiny`` runs the
-demo on the tiny model instead.
+can serve (15-20 s of one core) within its 47 s of arrivals, and the whole demo takes about 3-4 minutes once the
+model is built. It is the one worth showing: its KV per token is an 8B Llama's, so the 2.5 GB of KV the decode
+engine loads is real work for the tier, where the tiny model's 2 KiB a token would make every load free.
+``--model-size tiny`` runs the demo on the tiny model instead.
 
 Engines: block size 64 tokens and chunks of 128 (one block per shard per chunk; at the default 128/256 most of these
 short prompts would end inside their last, unsaved chunk), ``--enforce-eager``, ``max_model_len`` 4096, KV cache

@@ -28,8 +28,9 @@ def resolve_valkey_urls(config: RangeConfig) -> list[str]:
     try:
         return ensure_servers(config.num_shards, Path(config.resolved_runtime_dir),
                               start_timeout_s=config.start_timeout_s)
-    except BackendError as exc:
-        raise ConfigError("runtime_dir", f"cannot start embedded Valkey servers: {exc}") from exc
+    except (BackendError, OSError) as exc:
+        raise ConfigError("runtime_dir", f"cannot start embedded Valkey servers in {config.resolved_runtime_dir}: "
+                                         f"{exc}") from exc
 
 
 def open_shard_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = None) -> list[Backend]:
@@ -77,8 +78,8 @@ def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
             return [FileBackend(os.path.join(os.path.expanduser(root), f"shard-{s}"),
                                 config.shard_capacity_bytes or None, timeout_s=config.backend_timeout_s)
                     for s in shard_idxs]
-        except OSError as exc:
-            raise ConfigError("file_dir", f"{root}: {exc}") from exc
+        except (OSError, BackendError) as exc:  # (FileBackend reports a directory it cannot create as BackendError)
+            raise ConfigError("file_dir" if config.file_dir else "runtime_dir", f"{root}: {exc}") from exc
     from range_connector.backends.valkey import ValkeyBackend
 
     backends: list[Backend] = []

@@ -187,6 +187,8 @@ class ValkeyBackend(Backend):
             max_bulk = DEFAULT_MAX_BULK_BYTES
         except (vex.ConnectionError, vex.TimeoutError, OSError) as exc:
             raise BackendError(f"{url}: Valkey server does not answer ({exc})") from exc
+        except vex.ValkeyError as exc:  # e.g. an HTTP server on that port: the reply is not RESP
+            raise BackendError(f"{url}: not a Valkey server ({type(exc).__name__}: {exc})") from exc
         super().__init__(url, max_bulk - 1024, capacity_bytes)
         try:
             policy = self._client.config_get("maxmemory-policy").get("maxmemory-policy", "noeviction")

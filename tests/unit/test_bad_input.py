@@ -45,3 +45,57 @@ def test_bad_sizes_and_urls_name_the_key(extra: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         RangeConfig.from_extra_config(extra).resolve(128)
     assert str(err.value).startswith(f"{key}: ") and "\n" not in str(err.value), json.dumps(extra)
+
+
+@pytest.mark.timeout(10)
+def test_a_bandwidth_that_is_not_a_number_is_named_in_bytes_per_second() -> None:
+    with pytest.raises(ConfigError, match=r"^tier_bandwidth_bytes_per_s: 'fast' is not a number of bytes per second$"):
+        RangeConfig.from_extra_config({"tier_bandwidth_bytes_per_s": "fast"})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("extra", "key"), [
+    ({"backend": "file", "file_dir": "<file>/x"}, "file_dir"),  # a path under a regular file
+    ({"backend": "file", "runtime_dir": "<file>/x"}, "runtime_dir"),  # the file tier's default directory
+    ({"runtime_dir": "<file>/x"}, "runtime_dir"),  # embedded Valkey servers
+])
+def test_a_directory_that_cannot_be_created_fails_at_start_up_naming_the_key(tmp_path, extra: dict, key: str) -> None:
+    from range_connector.tiers import open_shard_backends
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    extra = {k: v.replace("<file>", str(blocker)) for k, v in extra.items()}
+    with pytest.raises(ConfigError) as err:
+        open_shard_backends(RangeConfig.from_extra_config(extra).resolve(128))
+    assert str(err.value).startswith(f"{key}: ") and "\n" not in str(err.value)
+    assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.timeout(30)
+def test_something_other_than_valkey_at_a_valkey_url_fails_at_start_up_naming_the_key() -> None:
+    import socket
+    import threading
+
+    from range_connector.tiers import open_shard_backends
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_http() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=answer_http, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError) as err:
+            open_shard_backends(RangeConfig.from_extra_config({"valkey_urls": [f"valkey://127.0.0.1:{port}"],
+                                                               "backend_timeout_s": 5.0}).resolve(128))
+        assert str(err.value).startswith("valkey_urls: ") and "not a Valkey server" in str(err.value)
+    finally:
+        server.close()

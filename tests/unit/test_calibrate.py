@@ -83,6 +83,7 @@ def test_command_measures_dram_and_file_tiers_and_leaves_nothing_behind(tmp_path
         (["--skip-prefill", "--backends", "memory"], "--num-layers"),
         (["--url", "http://127.0.0.1:9", "--backends", ""], "--vocab-size"),
         (["--model", "/no/such/model", "--backends", ""], "model"),
+        (["--skip-prefill", "--num-layers", "2", "--read-mib", "1", "--backends", "memory"], "--read-mib"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_option(argv: list[str], key: str, tmp_path: Path, capsys) -> None:
@@ -91,3 +92,22 @@ def test_bad_input_is_one_line_naming_the_option(argv: list[str], key: str, tmp_
     assert rc == 2
     assert err.startswith(f"error: {key}: ") and err.count("\n") == 1, err
     assert not (tmp_path / "cal.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_an_output_path_that_cannot_be_written_is_one_line_naming_the_option(tmp_path: Path, capsys) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    rc = main(["calibrate", "--skip-prefill", "--num-layers", "2", "--read-mib", "1,2", "--read-repeats", "1",
+               "--backends", "memory", "--output", str(blocker / "cal.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --output: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.timeout(60)
+def test_an_unusable_runtime_dir_for_valkey_start_is_one_line(tmp_path: Path, capsys) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    rc = main(["valkey", "start", "--shards", "1", "--runtime-dir", str(blocker / "rt")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: ") and str(blocker) in err and err.count("\n") == 1, err
