@@ -99,7 +99,8 @@ CONFIG_KEYS: dict[str, tuple[str, str, str]] = {
         "none",
         'With load_mode "auto": the file written by `range-connector calibrate` that seeds R, B and T0.',
     ),
-    "start_timeout_s": ("s", "10.0", "How long start-up waits for a backend server to answer."),
+    "start_timeout_s": ("s", "10.0", "How long start-up waits for embedded Valkey servers to start (a configured "
+                                     "server must answer within `backend_timeout_s`)."),
     "verify_checksums": ("-", "true", "Verify each loaded value's checksum before it reaches attention."),
     "memory_capacity_bytes": ("bytes", "1073741824", 'Byte budget of the "memory" backend (per worker).'),
     "shard_capacity_bytes": (
