@@ -311,12 +311,8 @@ class RangeScheduler:
         The DRAM tier keeps probing through a short hit (it lends stripes in-process)."""
         if not decision.is_probe or self.lookup_backends is None:
             return decision
-        now = time.monotonic()
-        if now >= self._probe_until:
-            chunk_idx = lookup.num_computed_tokens // self.chunk_tokens
-            if chunk_idx < len(lookup.tickets):
-                self._probes.append(lookup.tickets[chunk_idx])
-                self._probe_until = now + 2.0 * self.config.backend_timeout_s
+        if self._probe_slot_free(lookup):
+            self._queue_probe(lookup)
         c = lookup.num_computed_tokens
         return dataclasses.replace(decision, action=Action.REFUSE, hit_tokens=c, num_new_tokens=0,
                                    with_load_s=decision.without_load_s, reason="probe: one chunk read in the background")
@@ -337,15 +333,23 @@ class RangeScheduler:
         if load_s <= deadline_s:
             return False
         self.stats["loads_not_started_late"] += 1
-        now = time.monotonic()
-        chunk_idx = lookup.num_computed_tokens // self.chunk_tokens
-        if now < self._probe_until or chunk_idx >= len(lookup.tickets):
+        if not self._probe_slot_free(lookup):
             self.gate.tiers.note_refusal(self.gate.backend)  # (a probe is in flight)
-        elif self.gate.tiers.should_probe(self.gate.backend, now):
-            self._probes.append(lookup.tickets[chunk_idx])
-            self._probe_until = now + 2.0 * self.config.backend_timeout_s
+        elif self.gate.tiers.should_probe(self.gate.backend, time.monotonic()):
+            self._queue_probe(lookup)
             self.stats["late_load_probes"] += 1
         return True
+
+    def _probe_slot_free(self, lookup: _Lookup) -> bool:
+        """Whether no probe is in flight and the lookup has a stored chunk past what vLLM holds to probe."""
+        return (time.monotonic() >= self._probe_until
+                and lookup.num_computed_tokens // self.chunk_tokens < len(lookup.tickets))
+
+    def _queue_probe(self, lookup: _Lookup) -> None:
+        """Have the worker read the first chunk of the lookup's hit in the background with the next step (one probe
+        in flight at a time: until its timing comes back, at most ``2 * backend_timeout_s``)."""
+        self._probes.append(lookup.tickets[lookup.num_computed_tokens // self.chunk_tokens])
+        self._probe_until = time.monotonic() + 2.0 * self.config.backend_timeout_s
 
     def _wait_for_announced_kv(self, request: Request, hit: int) -> bool:
         """Whether to wait for KV that a producer announced in ``kv_transfer_params`` (disaggregated prefill) and
