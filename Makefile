@@ -11,7 +11,7 @@ CUDA_ONLY_PACKAGES := torchvision torchaudio torchcodec triton
 
 # make demo TRACE=path/to/trace.jsonl replays that trace instead of the built-in synthetic one.
 demo: $(STAMP)
-	$(PY) -m range_connector.demo $(if $(TRACE),--trace "$(TRACE)")
+	$(PY) -m range_connector.bench.demo $(if $(TRACE),--trace "$(TRACE)")
 
 test: $(STAMP)
 	$(PY) -m pytest

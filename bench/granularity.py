@@ -10,10 +10,10 @@ number of logical objects a per-chunk, per-layer store (LMCache with layer-wise 
 How each path is driven (every path ends with the bytes in the same kind of registered KV tensors, at shuffled,
 non-contiguous destination block ids, and is verified byte for byte outside the timing):
 
-* ``range_<backend>``: Range's real code. A :class:`~range_connector.worker.RangeWorker` registered on the source
+* ``range_<backend>``: Range's real code. A :class:`~range_connector.worker.facade.RangeWorker` registered on the source
   tensors saves the payload in one save batch (one :class:`RangeConnectorMetadata` with one
   :class:`RequestTransfer` of all chunks, hashed with the real prefix hash chain); a
-  :class:`~range_connector.scheduler.RangeScheduler` looks the tickets up (``stored_prefix``: timed separately as
+  :class:`~range_connector.scheduler.facade.RangeScheduler` looks the tickets up (``stored_prefix``: timed separately as
   ``lookup``); a second ``RangeWorker`` registered on freshly zeroed destination tensors restores them with
   ``start_load`` and one ``wait_for_layer`` per layer in order, as attention calls it (timed as ``restore``: from
   the load request until every layer's bytes are in the destination blocks and verified — the step's load errors
@@ -22,7 +22,7 @@ non-contiguous destination block ids, and is verified byte for byte outside the 
   Backends: ``memory`` (in-process DRAM tier; the scheduler keeps the index, learnt from the saving worker's
   metadata, as in the engine), ``valkey`` (one loopback server from ``ensure_servers`` in a private runtime dir;
   saver, loader and scheduler each have their own connection), ``file`` (when
-  ``range_connector.backends.file.FileBackend`` exists; ``file_warm`` with the page cache warm and ``file_cold``
+  ``range_connector.backends.file.backend.FileBackend`` exists; ``file_warm`` with the page cache warm and ``file_cold``
   after dropping it between repeats, untimed: ``/proc/sys/vm/drop_caches`` when allowed, else
   ``posix_fadvise(DONTNEED)`` on every stripe file, reported as the method used). Range's restore is driven as a
   layer-pipelined load (``start_load``, then ``wait_for_layer`` per layer in order), so its first layer is handed
@@ -84,10 +84,10 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 from range_connector.backends.base import Backend  # noqa: E402
 from range_connector.backends.memory import MemoryBackend  # noqa: E402
 from range_connector.config import RangeConfig  # noqa: E402
-from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer  # noqa: E402
-from range_connector.namespace import namespace_fingerprint, prefix_hash_chain  # noqa: E402
-from range_connector.scheduler import RangeScheduler  # noqa: E402
-from range_connector.worker import RangeWorker  # noqa: E402
+from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer  # noqa: E402
+from range_connector.kv.namespace import namespace_fingerprint, prefix_hash_chain  # noqa: E402
+from range_connector.scheduler.facade import RangeScheduler  # noqa: E402
+from range_connector.worker.facade import RangeWorker  # noqa: E402
 
 FORMAT_VERSION = 1
 GIB = 1 << 30
@@ -157,12 +157,12 @@ def valkey_data_path() -> str:
     """Which client the Valkey backend's data path uses (the RESP reader in backends/resp.py, or valkey-py)."""
     import inspect
 
-    from range_connector.backends import valkey as vb
+    from range_connector.backends.valkey import client as vb
 
     src = inspect.getsource(vb)
     if getattr(vb.ValkeyBackend, "supports_scatter", False):
         return ("resp.py (RESP reader straight into the destination KV blocks, checksummed as the bytes land: "
-                "range_connector/direct_receive.py)")
+                "range_connector/worker/direct_receive.py)")
     if "backends.resp" in src or "from range_connector.backends import resp" in src or "RespPool" in src:
         return "resp.py (RESP reader into bank buffers)"
     return "valkey-py (pipelined GET, replies parsed into bytes, then copied into the bank)"
@@ -270,7 +270,7 @@ def open_file_backend(root: Path) -> tuple[Callable[[], Backend] | None, str]:
         import importlib
         import inspect
 
-        mod = importlib.import_module("range_connector.backends.file")
+        mod = importlib.import_module("range_connector.backends.file.backend")
         cls = getattr(mod, "FileBackend")
     except Exception as exc:  # ImportError, AttributeError, or a half-written module
         return None, f"{type(exc).__name__}: {exc}"
@@ -354,7 +354,7 @@ class RangeCase:
                               "build_worker_meta via update_connector_output) / RangeWorker.start_load; saver and "
                               "loader share one in-process MemoryBackend")
         elif self.backend == "valkey":
-            from range_connector.backends.valkey import ValkeyBackend
+            from range_connector.backends.valkey.client import ValkeyBackend
 
             assert self.valkey_url
             saver_b = ValkeyBackend(self.valkey_url, timeout_s=300.0)
@@ -598,16 +598,23 @@ def run_interleaved(cases: list, phases: list[tuple[str, bool]], args: argparse.
 #: (owner, method) timed by the instrumented round: the tier's reads (Range's reader thread: the socket receive,
 #: into a bank or straight into the KV blocks), lent views, the checksum pass and the bank -> KV index copies (the
 #: consumer: whoever calls ``wait_for_layer``), and the consumer's whole delivery (its waits for the reader are
-#: ``deliver_through`` minus the other two). ``job`` hooks are set on the LoadJob class for the instrumented restore.
+#: ``deliver_through`` minus the other two). ``job`` and ``context`` hooks are set on the LoadJob and LoadContext
+#: classes for the instrumented restore.
 _HOOKS = (("backend", "read_ranges"), ("backend", "view_stripes"), ("job", "_verify_group"),
-          ("worker", "copy_rows"), ("job", "deliver_through"))
+          ("context", "copy_rows"), ("job", "deliver_through"))
+#: owners whose hooks are set on the class (LoadJob, LoadContext), not on one instance
+_CLASS_OWNERS = ("job", "context")
 
 
 def _hook_owner(owner_name: str, worker: RangeWorker, backend: Backend):
     if owner_name == "job":
-        from range_connector.loads import LoadJob
+        from range_connector.worker.loads import LoadJob
 
         return LoadJob
+    if owner_name == "context":
+        from range_connector.worker.context import LoadContext
+
+        return LoadContext
     return backend if owner_name == "backend" else worker
 
 
@@ -623,7 +630,7 @@ def _instrument(worker: RangeWorker, backend: Backend, timers: dict[str, float])
     for owner_name, attr in _HOOKS:
         owner = _hook_owner(owner_name, worker, backend)
         orig = getattr(owner, attr, None)
-        if orig is None or attr in vars(owner) and owner_name != "job":
+        if orig is None or attr in vars(owner) and owner_name not in _CLASS_OWNERS:
             continue
         key = f"{attr}_s"
         timers[key] = 0.0
@@ -636,7 +643,7 @@ def _instrument(worker: RangeWorker, backend: Backend, timers: dict[str, float])
                 with lock:
                     timers[__key] += time.perf_counter() - t
 
-        if owner_name == "job":
+        if owner_name in _CLASS_OWNERS:
             wrapped.__range_bench_original__ = orig  # type: ignore[attr-defined]
         setattr(owner, attr, wrapped)
 
@@ -645,7 +652,7 @@ def _uninstrument(worker: RangeWorker, backend: Backend) -> None:
     for owner_name, attr in _HOOKS:
         owner = _hook_owner(owner_name, worker, backend)
         current = vars(owner).get(attr)
-        if owner_name == "job":
+        if owner_name in _CLASS_OWNERS:
             if current is not None and hasattr(current, "__range_bench_original__"):
                 setattr(owner, attr, current.__range_bench_original__)
         elif current is not None:
@@ -1122,7 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         need_valkey = "valkey" in args.backend_list or not args.no_lmcache
         if need_valkey:
-            from range_connector.valkey_servers import ensure_servers
+            from range_connector.backends.valkey.servers import ensure_servers
 
             try:
                 valkey_url = ensure_servers(1, runtime_dir)[0]
@@ -1212,7 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
                 stats.flush()
             stats.close()
         if valkey_url is not None:
-            from range_connector.valkey_servers import stop_servers
+            from range_connector.backends.valkey.servers import stop_servers
 
             with contextlib.suppress(Exception):
                 stop_servers(runtime_dir)

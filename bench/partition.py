@@ -3,9 +3,9 @@ per shard) and from one shared server holding the same S shards, in the same run
 
 The payload (default 256 MiB) is KV of the bench GQA model's layout (``bench/granularity.py``: 32 layers, 8 KV
 heads, head size 128, bf16, block size 32; 128 KiB per token), saved once per case by a real
-:class:`~range_connector.worker.RangeWorker` over S :class:`~range_connector.backends.valkey.ValkeyBackend` shards
+:class:`~range_connector.worker.facade.RangeWorker` over S :class:`~range_connector.backends.valkey.client.ValkeyBackend` shards
 (one stripe per shard: the same bytes and tickets that P rank writers store, see ``tests/unit/test_pcp_rank_view.py``)
-and looked up with a real :class:`~range_connector.scheduler.RangeScheduler` (``stored_prefix``: the min over
+and looked up with a real :class:`~range_connector.scheduler.facade.RangeScheduler` (``stored_prefix``: the min over
 shards). Cases: ``partitioned`` (shard s on server s) for S = 1, 2, 4, and ``shared`` (all S shards on one more
 server) for S = 2, 4; S = 1 is both. Two restore paths per case, rounds interleaved across cases (order rotated):
 
@@ -46,17 +46,30 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from granularity import (  # noqa: E402  (also puts the repository on sys.path)
-    BLOCK_SIZE, BYTES_PER_TOKEN_PER_LAYER, GIB, KV, MIB, NUM_LAYERS, Payload, busy_cores, git_state, log,
-    machine_info, median, versions, wait_quiet)
+    BLOCK_SIZE,
+    BYTES_PER_TOKEN_PER_LAYER,
+    GIB,
+    KV,
+    MIB,
+    NUM_LAYERS,
+    Payload,
+    busy_cores,
+    git_state,
+    log,
+    machine_info,
+    median,
+    versions,
+    wait_quiet,
+)
 
 from range_connector.backends.base import RangeRead  # noqa: E402
-from range_connector.backends.valkey import ValkeyBackend  # noqa: E402
+from range_connector.backends.valkey.client import ValkeyBackend  # noqa: E402
+from range_connector.backends.valkey.servers import ensure_servers, stop_servers  # noqa: E402
 from range_connector.config import RangeConfig  # noqa: E402
-from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer  # noqa: E402
-from range_connector.namespace import namespace_fingerprint, prefix_hash_chain  # noqa: E402
-from range_connector.scheduler import RangeScheduler  # noqa: E402
-from range_connector.valkey_servers import ensure_servers, stop_servers  # noqa: E402
-from range_connector.worker import RangeWorker  # noqa: E402
+from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer  # noqa: E402
+from range_connector.kv.namespace import namespace_fingerprint, prefix_hash_chain  # noqa: E402
+from range_connector.scheduler.facade import RangeScheduler  # noqa: E402
+from range_connector.worker.facade import RangeWorker  # noqa: E402
 
 FORMAT_VERSION = 1
 SHARD_COUNTS = (1, 2, 4)

@@ -1,8 +1,8 @@
 """Trace replay: the same trace against vLLM with no connector, with Range, and with vLLM's ExampleConnector.
 
 For each configuration in ``--configs`` (one at a time) this starts a vLLM OpenAI API server on the CPU
-(:class:`range_connector.launch.ServerProcess`), sends one short priming request (first-request one-off costs),
-replays the trace (:func:`range_connector.replay.run_replay`: the first ``--warmup`` requests unmeasured, then the
+(:class:`range_connector.testing.launch.ServerProcess`), sends one short priming request (first-request one-off costs),
+replays the trace (:func:`range_connector.bench.replay.run_replay`: the first ``--warmup`` requests unmeasured, then the
 rest at the trace's own, scaled timing), reads the engine's ``/metrics`` around the measured part, and stops the
 server. Then it prints a side-by-side table with ratios to ``none`` and writes
 ``<results-dir>/replay-<time>.json`` and two PNGs (TTFT CDF, TTFT over time).
@@ -25,9 +25,9 @@ Configurations:
   then times out in ``register_kv_caches``; ``lmcache.mp.mp_transfer_mode = "lmcache_driven"`` fixes that.
 
 The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
-trace of :func:`range_connector.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
+trace of :func:`range_connector.bench.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
 ``--conversations --count N``: N requests of whole conversations, see
-:func:`range_connector.traces.sample_conversations`; contiguous slices of the Mooncake conversation trace share
+:func:`range_connector.bench.traces.sample_conversations`; contiguous slices of the Mooncake conversation trace share
 almost no prefix, because turns of one conversation are minutes apart), ``--time-scale`` and
 ``--token-scale`` scale it (the hash block shrinks with the tokens; both are printed and stored in the JSON),
 and prompts longer than ``--max-model-len`` are cut. ``--endpoint URL`` replays against a server that is already
@@ -63,18 +63,23 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from range_connector.errors import TraceError  # noqa: E402
-from range_connector.launch import (  # noqa: E402
-    ServerError, ServerProcess, complete, connector_config, unwind_on_sigterm)
-from range_connector.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
-from range_connector.replay_report import format_comparison, write_json, write_plots  # noqa: E402
-from range_connector.synthetic_trace import synthetic_trace  # noqa: E402
-from range_connector.traces import (  # noqa: E402
+from range_connector.bench.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
+from range_connector.bench.replay_report import format_comparison, write_json, write_plots  # noqa: E402
+from range_connector.bench.synthetic_trace import synthetic_trace  # noqa: E402
+from range_connector.bench.traces import (  # noqa: E402
     PromptBuilder,
     Trace,
     normal_vocab_token_ids,
     prepare_trace,
     read_trace,
+)
+from range_connector.errors import TraceError  # noqa: E402
+from range_connector.testing.launch import (  # noqa: E402
+    ServerError,
+    ServerProcess,
+    complete,
+    connector_config,
+    unwind_on_sigterm,
 )
 
 CONFIGS = ("none", "range", "example")
@@ -94,7 +99,7 @@ def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any]) 
     if config == "none":
         return None, []
     if config == "range" or config in RANGE_VARIANTS:
-        from range_connector.valkey_servers import ensure_servers
+        from range_connector.backends.valkey.servers import ensure_servers
 
         runtime_dir = run_dir / "valkey"
         urls = ensure_servers(1, runtime_dir)
@@ -113,7 +118,7 @@ class LMCacheServer:
     """LMCache's multi-process cache server (``lmcache.v1.multiprocess.server``) in its own process group."""
 
     def __init__(self, venv: Path, run_dir: Path, timeout_s: float = 120.0) -> None:
-        from range_connector.launch import free_port
+        from range_connector.testing.launch import free_port
 
         self.python = venv / "bin" / "python"
         if not self.python.exists():
@@ -159,7 +164,7 @@ class LMCacheServer:
 def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Trace, requests: list,
                work_dir: Path, range_extra: dict[str, Any], prime_prompt: list[int]) -> ReplayReport:
     """Start the engine of ``config``, prime it, replay, stop it; a failure becomes a report with the reason."""
-    from range_connector.valkey_servers import stop_servers
+    from range_connector.backends.valkey.servers import stop_servers
 
     run_dir = work_dir / config
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from range_connector.tiny_models import build_model
+        from range_connector.testing.tiny_models import build_model
 
         model_dir = build_model(args.model_kind, args.model_size)
     vocab = normal_vocab_token_ids(model_dir)

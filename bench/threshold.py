@@ -1,6 +1,6 @@
 """The threshold sweep (issue 6): does the cost gate load exactly when loading beats recomputing?
 
-Three vLLM CPU API servers (:class:`~range_connector.launch.ServerProcess`) on the bench GQA model (32 layers,
+Three vLLM CPU API servers (:class:`~range_connector.testing.launch.ServerProcess`) on the bench GQA model (32 layers,
 128 KiB of KV per token), each reused for every cell:
 
 * ``always``: Range connector, file tier (``backend`` ``"file"``, its own directory, in the page cache) behind the
@@ -12,10 +12,10 @@ Both connector engines read one tier control file (``tier_control_file``), so th
 between cells while the engines run.
 
 1. **Calibration** (before the gate starts, since it reads the file at start-up): ``R`` from a prefill sweep on
-   ``never`` (:func:`range_connector.calibrate.measure_prefill`, fresh random prompts, fitted by
-   :func:`~range_connector.calibration_file.fit_prefill_rate`: ``overhead + c1·n + c2·n²/2``); the hit line from
+   ``never`` (:func:`range_connector.cli.calibrate.measure_prefill`, fresh random prompts, fitted by
+   :func:`~range_connector.cost.calibration_file.fit_prefill_rate`: ``overhead + c1·n + c2·n²/2``); the hit line from
    ``always`` with the tier uncapped: TTFT of a stored prompt minus that overhead, against the bytes loaded,
-   fitted as ``T0 + bytes/B0`` (:func:`~range_connector.calibration_file.fit_tier_line`). ``T0`` is the engine's
+   fitted as ``T0 + bytes/B0`` (:func:`~range_connector.cost.calibration_file.fit_tier_line`). ``T0`` is the engine's
    fixed cost of a hit, ``B0`` the fastest delivery the engine achieves here (copies and checksums included).
 2. **Placement.** Per prompt length ``n`` (hit ``h``, one token left to compute) the break-even delivered
    bandwidth is ``B_be(n) = h·s / (C(0, n) - T0)`` (``C``: the fitted prefill time; ``B_be → B* = s·R`` for long
@@ -62,13 +62,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from granularity import busy_cores, git_state, log, machine_info, versions, wait_quiet  # noqa: E402  (puts the repo on the path)
 
 from range_connector.backends.latency import write_control_file  # noqa: E402
-from range_connector.calibrate import measure_prefill, model_facts  # noqa: E402
-from range_connector.calibration_file import (  # noqa: E402
-    Calibration, fit_prefill_rate, fit_tier_line, write_calibration)
-from range_connector.cost_model import PrefillRate, TierEstimate  # noqa: E402
-from range_connector.launch import (  # noqa: E402
-    ServerProcess, complete, connector_config, reset_prefix_cache, scrape_metrics, unwind_on_sigterm, wait_for_metric)
-from range_connector.tiny_models import build_model  # noqa: E402
+from range_connector.cli.calibrate import measure_prefill, model_facts  # noqa: E402
+from range_connector.cost.calibration_file import (  # noqa: E402
+    Calibration,
+    fit_prefill_rate,
+    fit_tier_line,
+    write_calibration,
+)
+from range_connector.cost.model import PrefillRate, TierEstimate  # noqa: E402
+from range_connector.testing.launch import (  # noqa: E402
+    ServerProcess,
+    complete,
+    connector_config,
+    reset_prefix_cache,
+    scrape_metrics,
+    unwind_on_sigterm,
+    wait_for_metric,
+)
+from range_connector.testing.tiny_models import build_model  # noqa: E402
 
 FORMAT_VERSION = 1
 WAYS = ("always", "never", "gate")
@@ -388,7 +399,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from range_connector.cost_estimators import GateConfig
+    from range_connector.cost.estimators import GateConfig
     unwind_on_sigterm()
 
     args.probe_interval_note = GateConfig().probe_interval_s

@@ -113,6 +113,14 @@ def model_identity(vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
+def kv_connector_in_process() -> Any:
+    """The KV connector vLLM built in this (worker) process (``get_kv_transfer_group()``; test helpers reach the
+    Range worker through it)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
 def tp_rank() -> int:
     """Tensor-parallel rank of this worker (0 outside a worker)."""
     try:

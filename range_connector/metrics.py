@@ -1,10 +1,13 @@
-"""Connector statistics carried from workers (and the scheduler) to vLLM's stats loggers, and their Prometheus form.
+"""Counters both halves keep, the token tally, and the names of Range's Prometheus counters.
+
+The vLLM-typed carriers (``RangeConnectorStats``, ``RangePromMetrics``) are in :mod:`range_connector.connector.stats`;
+this module imports no vLLM.
 
 How the counters travel (vLLM 0.32): each worker's ``get_kv_connector_stats`` is called at the end of every step
 (``v1/worker/kv_connector_model_runner_mixin.py``), the workers' stats are summed by ``KVOutputAggregator``
 (``kv_connector/utils.py``), the scheduler adds its own (``Scheduler.update_from_output``, after
 ``update_connector_output``), and the sum rides in ``SchedulerStats.kv_connector_stats`` to the front end, where
-``PrometheusStatLogger`` hands it to :meth:`RangePromMetrics.observe` with the engine's index.
+``PrometheusStatLogger`` hands it to :meth:`range_connector.connector.stats.RangePromMetrics.observe` with the engine's index.
 
 Tokens are counted once per engine, on the scheduler side (:class:`LoadTally`): a load is settled when the
 workers' metadata says how it ended, with failures from every worker merged the way vLLM merges invalid blocks.
@@ -17,40 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-
-    from range_connector.metadata import ChunkTransfer
-
-
-@dataclass
-class RangeConnectorStats(KVConnectorStats):
-    """Counters of one interval (``data``: name -> count), summed across workers and steps.
-
-    Worker names: ``loaded_blocks``, ``loaded_bytes``, ``failed_blocks``, ``saved_chunks``, ``saved_bytes``,
-    ``save_errors``, ``load_backend_errors``, ``load_integrity_errors``, ``load_deadline_misses``. Scheduler names:
-    ``lookups``, ``promised_tokens``, ... and the token tally (:class:`LoadTally`: ``loaded_tokens``,
-    ``failed_tokens``, ``aborted_tokens``, ``preempted_load_tokens``). The cost-model gate's counters (scheduler
-    side, :meth:`range_connector.cost_estimators.DecisionStats.snapshot`): ``decisions_taken``,
-    ``decisions_shortened``, ``decisions_refused``, ``decisions_probes``, ``loads_async``, ``loads_pipelined``, and
-    ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as floats).
-    """
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k, v in (other.data or {}).items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
+    from range_connector.kv.metadata import ChunkTransfer
 
 
 def stats_delta(current: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
@@ -177,29 +148,3 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
 PROM_GATE = ("vllm:range_gate_decisions", "Hits the cost-model gate took, shortened or refused, and its probes.")
 GATE_DECISIONS: dict[str, str] = {"decisions_taken": "taken", "decisions_shortened": "shortened",
                                   "decisions_refused": "refused", "decisions_probes": "probe"}
-
-
-class RangePromMetrics(KVConnectorPromMetrics):
-    """Range's counters on vLLM's ``/metrics`` (:data:`PROM_COUNTERS`, :data:`PROM_GATE`), one child per engine
-    (labels ``model_name``, ``engine``, as vLLM's own). Built by ``RangeConnector.build_prom_metrics`` in the
-    process that serves ``/metrics``."""
-
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, dict[int, Any]] = {}
-        for key, (name, doc) in PROM_COUNTERS.items():
-            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-            self._counters[key] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
-        gate = self._counter_cls(name=PROM_GATE[0], documentation=PROM_GATE[1], labelnames=[*labelnames, "decision"])
-        for key, decision in GATE_DECISIONS.items():
-            self._counters[key] = {idx: gate.labels(*values, decision)
-                                   for idx, values in per_engine_labelvalues.items()}
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Add one interval's counts (:class:`RangeConnectorStats` data) to engine ``engine_idx``'s counters; other
-        keys are ignored."""
-        for key, value in transfer_stats_data.items():
-            children = self._counters.get(key)
-            if children is not None and value > 0 and engine_idx in children:
-                children[engine_idx].inc(value)

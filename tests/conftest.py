@@ -1,15 +1,15 @@
 """Shared fixtures: real Valkey servers on loopback (one per shard) and server-side command counts.
 
-Servers are started with :func:`range_connector.valkey_servers.ensure_servers` in a runtime dir of their own and
-stopped with :func:`~range_connector.valkey_servers.stop_servers` at teardown, killing by recorded pid as a last
+Servers are started with :func:`range_connector.backends.valkey.servers.ensure_servers` in a runtime dir of their own and
+stopped with :func:`~range_connector.backends.valkey.servers.stop_servers` at teardown, killing by recorded pid as a last
 resort so that no server outlives the session. A test is skipped only when no ``valkey-server`` binary exists.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import os
+import shutil
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from range_connector.backends.valkey.servers import ensure_servers, server_status, stop_servers, valkey_server_binary
 from range_connector.errors import ServerStartError
-from range_connector.valkey_servers import ensure_servers, server_status, stop_servers, valkey_server_binary
 
 SESSION_NUM_SHARDS = 2
 
@@ -127,8 +127,8 @@ class VllmCopy:
 @pytest.fixture
 def vllm_copy(tmp_path: Path) -> VllmCopy:
     """A :class:`VllmCopy` under ``tmp_path`` whose ``mla_attention.py`` is unpatched."""
+    from range_connector.cli.patch import TARGET_RELPATH, default_vllm_dir, revert_patch
     from range_connector.errors import RangeError
-    from range_connector.patching import TARGET_RELPATH, default_vllm_dir, revert_patch
 
     try:
         installed = default_vllm_dir()

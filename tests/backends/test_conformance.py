@@ -33,14 +33,14 @@ import valkey
 import xxhash
 
 from range_connector.backends.base import Backend, RangeRead, ScatterDest, StripeWrite
-from range_connector.backends.file import FileBackend
+from range_connector.backends.file.backend import FileBackend
 from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
 from range_connector.backends.memory import MemoryBackend
-from range_connector.backends.valkey import ValkeyBackend
-from range_connector.direct_receive import WriteGate
+from range_connector.backends.valkey.client import ValkeyBackend
 from range_connector.errors import BackendError, BackendTimeoutError
-from range_connector.namespace import ChunkHash
-from range_connector.tickets import Ticket, ticket_key
+from range_connector.kv.namespace import ChunkHash
+from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.worker.direct_receive import WriteGate
 
 MiB = 1 << 20
 SERVER_LIMIT_BYTES = 1 * MiB  # the smallest proto-max-bulk-len Valkey accepts

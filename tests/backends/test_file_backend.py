@@ -1,4 +1,4 @@
-"""File tier (:class:`range_connector.backends.file.FileBackend`): byte-exact ranged reads, misses, the byte budget
+"""File tier (:class:`range_connector.backends.file.backend.FileBackend`): byte-exact ranged reads, misses, the byte budget
 measured on the real files (C17), leases, several processes sharing one directory, deadlines, O_DIRECT.
 
 The protocol contract itself is also checked by the conformance suite (``test_conformance.py``); this file covers
@@ -26,7 +26,7 @@ import pytest
 import xxhash
 
 from range_connector.backends.base import RangeRead, ScatterDest, StripeWrite
-from range_connector.backends.file import PAGE, DeviceRead, FileBackend, gds_status
+from range_connector.backends.file.backend import PAGE, DeviceRead, FileBackend, gds_status
 from range_connector.errors import BackendError, BackendTimeoutError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -352,7 +352,7 @@ def test_two_instances_on_one_root_share_tickets_stripes_and_leases(tmp_path: Pa
 _CHILD = textwrap.dedent("""
     import random, sys
     from range_connector.backends.base import RangeRead, StripeWrite
-    from range_connector.backends.file import FileBackend
+    from range_connector.backends.file.backend import FileBackend
     b = FileBackend(sys.argv[1])
     values = [random.Random(layer).randbytes(50_001) for layer in range(3)]
     assert b.write_stripe(StripeWrite("child", values, [(b"child:0", b"ticket from the child")]))
@@ -416,7 +416,7 @@ def test_odirect_and_buffered_reads_give_the_same_bytes(tmp_path: Path, caplog: 
         raise OSError(errno.EINVAL, "Invalid argument")
 
     fallback._pread_direct = refuse  # type: ignore[method-assign]
-    with caplog.at_level(logging.WARNING, logger="range_connector.backends.file"):
+    with caplog.at_level(logging.WARNING, logger="range_connector.backends.file.backend"):
         assert _read(fallback, "dw", 1, 3, 500) == _read(buffered, "dw", 1, 3, 500)
     assert "O_DIRECT refused" in caplog.text and not fallback._direct_reads
 
@@ -488,7 +488,7 @@ def test_crashed_writer_leftovers_are_cleaned_by_the_next_eviction(tmp_path: Pat
 
 @pytest.mark.timeout(60)
 def test_ticket_log_is_rewritten_and_every_instance_follows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import range_connector.backends.file as file_mod
+    import range_connector.backends.file.backend as file_mod
 
     monkeypatch.setattr(file_mod, "_COMPACT_MIN", 4096)
     root = tmp_path / "s"
@@ -530,7 +530,7 @@ def test_torn_or_damaged_ticket_log_tail_is_ignored_then_cut(tmp_path: Path, cap
     size = log.stat().st_size
     with open(log, "ab") as f:  # a complete frame whose bytes are wrong
         f.write(struct.pack("<II", 5, 12345) + b"fives")
-    with caplog.at_level(logging.WARNING, logger="range_connector.backends.file"):
+    with caplog.at_level(logging.WARNING, logger="range_connector.backends.file.backend"):
         c = FileBackend(root)
         assert c.get_tickets([b"t2:chunk0"]) == [b"ticket t2 0"]
     assert "damaged" in caplog.text
@@ -579,7 +579,7 @@ def test_device_read_path_with_a_stand_in_kvikio(tmp_path: Path, monkeypatch: py
     ``tests/gpu/test_file_gds.py``)."""
     import types
 
-    import range_connector.backends.file as file_mod
+    import range_connector.backends.file.backend as file_mod
 
     class FakeFuture:
         def __init__(self, n: int) -> None:

@@ -15,11 +15,11 @@ import uuid
 import pytest
 
 from range_connector.backends.base import RangeRead, StripeWrite
+from range_connector.backends.factory import open_shard_backends
 from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency, write_control_file
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError, BackendTimeoutError, ConfigError
-from range_connector.tiers import open_shard_backends
 
 MiB = 1 << 20
 SLACK_S = 1.5  # how much later than emulated a call may return on a busy machine

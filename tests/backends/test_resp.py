@@ -19,9 +19,9 @@ import pytest
 import xxhash
 
 from range_connector.backends.base import ScatterDest
-from range_connector.backends.resp import RespCommandError, RespConnection, RespPool, RespReplyTooLargeError
-from range_connector.direct_receive import WriteGate
+from range_connector.backends.valkey.resp import RespCommandError, RespConnection, RespPool, RespReplyTooLargeError
 from range_connector.errors import BackendError, BackendTimeoutError
+from range_connector.worker.direct_receive import WriteGate
 
 MiB = 1 << 20
 

@@ -1,9 +1,9 @@
 """The min-across-shards lookup end to end against real Valkey servers (one per shard), under random eviction.
 
 Each example writes a prompt's chunks through the real worker's rank views (rank ``r`` writes shard ``r``: real
-stripes and tickets through ``range_connector.backends.valkey``), evicts random chunks on random shards with the
+stripes and tickets through ``range_connector.backends.valkey.client``), evicts random chunks on random shards with the
 backend's own delete, and compares the lookup ``RangeScheduler.stored_prefix`` (what ``scheduler.py`` uses) with a
-brute-force oracle and with :func:`range_connector.sharding.common_stored_prefix` over the tickets read back.
+brute-force oracle and with :func:`range_connector.kv.sharding.common_stored_prefix` over the tickets read back.
 """
 
 from __future__ import annotations
@@ -14,16 +14,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from range_connector.backends.valkey import ValkeyBackend
+from range_connector.backends.valkey.client import ValkeyBackend
 from range_connector.config import RangeConfig
-from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
-from range_connector.scheduler import RangeScheduler
-from range_connector.sharding import RankSlice, ShardPlan, common_stored_prefix
-from range_connector.tickets import Ticket, ticket_key
-from range_connector.worker import RangeWorker
+from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
+from range_connector.kv.sharding import RankSlice, ShardPlan, common_stored_prefix
+from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.scheduler.facade import RangeScheduler
+from range_connector.worker.facade import RangeWorker
+from range_connector.worker.pcp_router import rank_view_config
 from tests.conftest import ValkeyServers
-from tests.unit.test_scheduler_worker import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, NUM_BLOCKS, chain
-from tests.unit.test_scheduler_worker import make_kv, prompt_tokens
+from tests.unit.test_scheduler_worker import (
+    BLOCK,
+    LAYER_BLOCK_BYTES,
+    LAYERS,
+    NAMESPACE,
+    NUM_BLOCKS,
+    chain,
+    make_kv,
+    prompt_tokens,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,7 +64,7 @@ def test_lookup_on_real_servers_is_the_longest_prefix_on_every_shard(
     kv = make_kv("dense", seed=seed % 1000)
     for rank in range(num_shards):  # every rank writes its own shard, through its own connection
         view = RankSlice(plan, rank)
-        worker = RangeWorker(view.config(config, BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
+        worker = RangeWorker(rank_view_config(view, config, BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
                              view.backends(connect([urls[s] for s in view.shard_idxs])), shard_idxs=view.shard_idxs)
         worker.register_kv_caches(kv)
         worker.save(view.metadata(saves))

@@ -20,8 +20,7 @@ import pytest
 import valkey
 
 from range_connector import cli
-from range_connector.errors import ConfigError, ServerStartError
-from range_connector.valkey_servers import (
+from range_connector.backends.valkey.servers import (
     RUNTIME_DIR_ENV,
     VALKEY_SERVER_BIN_ENV,
     default_runtime_dir,
@@ -30,6 +29,7 @@ from range_connector.valkey_servers import (
     stop_servers,
     valkey_server_binary,
 )
+from range_connector.errors import ConfigError, ServerStartError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,7 +127,7 @@ def test_servers_started_by_subprocess_outlive_it_and_keep_data(runtime_dir: Pat
         import json, sys
         from pathlib import Path
         import valkey
-        from range_connector.valkey_servers import ensure_servers
+        from range_connector.backends.valkey.servers import ensure_servers
         urls = ensure_servers(2, Path({str(runtime_dir)!r}))
         valkey.Valkey.from_url(urls[1]).set(b"kv:block:7", b"\\x00\\x01payload")
         print(json.dumps(urls))
@@ -154,7 +154,7 @@ def test_subprocess_call_returns_servers_started_here(runtime_dir: Path) -> None
         f"""
         import json
         from pathlib import Path
-        from range_connector.valkey_servers import ensure_servers
+        from range_connector.backends.valkey.servers import ensure_servers
         print(json.dumps(ensure_servers(2, Path({str(runtime_dir)!r}))))
         """
     )
@@ -168,7 +168,7 @@ def test_concurrent_callers_end_up_with_the_same_servers(runtime_dir: Path) -> N
     code = f"""
         import json
         from pathlib import Path
-        from range_connector.valkey_servers import ensure_servers
+        from range_connector.backends.valkey.servers import ensure_servers
         print(json.dumps(ensure_servers(2, Path({str(runtime_dir)!r}))))
         """
     env = dict(os.environ)

@@ -23,7 +23,7 @@ SMOKE_TOKENS = 16 * 1024 * 1024 // (NUM_LAYERS * 4096)
 
 def _file_backend_exists() -> bool:
     try:
-        from range_connector.backends.file import FileBackend  # noqa: F401
+        from range_connector.backends.file.backend import FileBackend  # noqa: F401
     except Exception:
         return False
     return True

@@ -11,9 +11,9 @@ import torch
 
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig
-from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
-from range_connector.namespace import prefix_hash_chain
-from range_connector.worker import RangeWorker
+from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
+from range_connector.kv.namespace import prefix_hash_chain
+from range_connector.worker.facade import RangeWorker
 
 pytestmark = [
     pytest.mark.gpu,

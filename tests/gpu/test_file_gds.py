@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from range_connector.backends.base import RangeRead, StripeWrite
-from range_connector.backends.file import DeviceRead, FileBackend, gds_status
+from range_connector.backends.file.backend import DeviceRead, FileBackend, gds_status
 
 _OK, _REASON = gds_status()
 

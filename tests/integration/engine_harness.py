@@ -39,12 +39,11 @@ def _counter(llm, name: str) -> int:
 
 
 def main(spec_path: str, out_path: str) -> None:
+    import msgpack
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    import msgpack
-
-    from range_connector import debug
+    from range_connector.testing import debug
 
     spec = json.load(open(spec_path))
     ktc = None
@@ -106,7 +105,7 @@ def main(spec_path: str, out_path: str) -> None:
             client.set(key, bytes(value))
             results.append({"key": key, "offset": offset})
         elif op == "signal_servers":
-            from range_connector.valkey_servers import server_status
+            from range_connector.backends.valkey.servers import server_status
 
             for server in server_status(step["runtime_dir"]):
                 os.kill(server.pid, getattr(signal, "SIG" + step["signal"]))

@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
-from range_connector.launch import (  # noqa: E402
+from range_connector.backends.valkey.servers import server_status, stop_servers  # noqa: E402
+from range_connector.testing.launch import (  # noqa: E402
     CompletionResult,
     ServerProcess,
     complete,
@@ -29,7 +30,6 @@ from range_connector.launch import (  # noqa: E402
     scrape_metrics,
     wait_for_metric,
 )
-from range_connector.valkey_servers import server_status, stop_servers  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -63,14 +63,14 @@ class Send:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from range_connector.tiny_models import build_model
+    from range_connector.testing.tiny_models import build_model
 
     return build_model("gqa", "tiny")
 
 
 @pytest.fixture(scope="module")
 def prompt(model_dir: Path) -> list[int]:
-    from range_connector.tiny_models import prompt_token_ids
+    from range_connector.testing.tiny_models import prompt_token_ids
 
     return prompt_token_ids(model_dir, PROMPT_TOKENS)
 

@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("vllm")
 valkey = pytest.importorskip("valkey")
 
-from range_connector.calibration_file import load_calibration  # noqa: E402
 from range_connector.cli import main  # noqa: E402
+from range_connector.cost.calibration_file import load_calibration  # noqa: E402
 
 pytestmark = pytest.mark.engine
 

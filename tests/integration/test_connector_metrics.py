@@ -2,7 +2,7 @@
 
 One vLLM OpenAI API server (CPU, tiny GQA model, file tier, vLLM's own prefix cache off so every repeat is a Range
 hit) serves three prompts, each sent twice; each measured send is read with the replay's own reader
-(:func:`range_connector.replay_metrics.snapshot_metrics` before, :func:`~range_connector.replay_metrics.settle_metrics`
+(:func:`range_connector.bench.replay_metrics.snapshot_metrics` before, :func:`~range_connector.bench.replay_metrics.settle_metrics`
 after: the counters must have arrived by the time the engine's TTFT and prompt counters have):
 
 1. a stored prompt loads whole: vLLM's external hit tokens == Range's loaded tokens (no failed ones), and the
@@ -29,12 +29,12 @@ pytest.importorskip("httpx")
 
 import msgpack  # noqa: E402
 
-from range_connector.backends.file import PAGE, FileBackend  # noqa: E402
+from range_connector.backends.file.backend import PAGE, FileBackend  # noqa: E402
 from range_connector.backends.latency import write_control_file  # noqa: E402
-from range_connector.launch import CompletionResult, ServerProcess, complete, connector_config  # noqa: E402
-from range_connector.namespace import prefix_hash_chain  # noqa: E402
-from range_connector.replay_metrics import EngineCounts, engine_counts, settle_metrics, snapshot_metrics  # noqa: E402
-from range_connector.tickets import ticket_key  # noqa: E402
+from range_connector.bench.replay_metrics import EngineCounts, engine_counts, settle_metrics, snapshot_metrics  # noqa: E402
+from range_connector.kv.namespace import prefix_hash_chain  # noqa: E402
+from range_connector.kv.tickets import ticket_key  # noqa: E402
+from range_connector.testing.launch import CompletionResult, ServerProcess, complete, connector_config  # noqa: E402
 from tests.integration.harness import prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -70,7 +70,7 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    from range_connector.tiny_models import build_model
+    from range_connector.testing.tiny_models import build_model
 
     model_dir = build_model("gqa", "tiny")
     tmp = tmp_path_factory.mktemp("connector-metrics")

@@ -20,7 +20,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 from range_connector.backends.latency import write_control_file  # noqa: E402
-from range_connector.launch import (  # noqa: E402
+from range_connector.backends.valkey.servers import stop_servers  # noqa: E402
+from range_connector.testing.launch import (  # noqa: E402
     ServerProcess,
     complete,
     connector_config,
@@ -29,8 +30,7 @@ from range_connector.launch import (  # noqa: E402
     scrape_metrics,
     wait_for_metric,
 )
-from range_connector.tiny_models import build_model, prompt_token_ids  # noqa: E402
-from range_connector.valkey_servers import stop_servers  # noqa: E402
+from range_connector.testing.tiny_models import build_model, prompt_token_ids  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -168,7 +168,7 @@ def test_decode_engine_killed_mid_replay_gives_clean_errors_and_the_proxy_stays_
     engine could not be read, and the proxy keeps answering (503 on /health: no decode engine left)."""
     import threading
 
-    from range_connector.replay import ReplayRequest, run_replay
+    from range_connector.bench.replay import ReplayRequest, run_replay
 
     requests = [ReplayRequest(i, 0.4 * i, tuple(pd.prompts[i % 3][: 300 + 10 * i]), 48) for i in range(12)]
     killer = threading.Timer(1.5, lambda: pd.decode.stop(timeout_s=0.5))

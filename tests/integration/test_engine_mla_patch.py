@@ -22,9 +22,9 @@ import os
 import pytest
 
 from range_connector import cli
-from range_connector.connector import NO_MLA_FALLBACK_ENV
 from range_connector.plugin import FORCE_MLA_DIRECT_CALL_ENV
-from range_connector.tiny_models import build_model
+from range_connector.spec import NO_MLA_FALLBACK_ENV
+from range_connector.testing.tiny_models import build_model
 from tests.integration.harness import prompt_ids, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

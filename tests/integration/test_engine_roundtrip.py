@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from range_connector.tiny_models import build_model
-from range_connector.valkey_servers import server_status, stop_servers
+from range_connector.backends.valkey.servers import server_status, stop_servers
+from range_connector.testing.tiny_models import build_model
 from tests.integration.harness import prompt_ids, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]

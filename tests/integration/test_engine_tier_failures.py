@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from range_connector.tiny_models import build_model
-from range_connector.valkey_servers import stop_servers
+from range_connector.backends.valkey.servers import stop_servers
+from range_connector.testing.tiny_models import build_model
 from tests.integration.harness import prompt_ids, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]

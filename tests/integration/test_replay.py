@@ -28,12 +28,12 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-from range_connector.launch import ServerProcess, connector_config, scrape_metrics  # noqa: E402
-from range_connector.replay import ReplayRequest, build_requests, run_replay  # noqa: E402
-from range_connector.replay_report import comparison_rows, format_comparison, write_json, write_plots  # noqa: E402
-from range_connector.synthetic_trace import synthetic_trace  # noqa: E402
-from range_connector.traces import PromptBuilder, normal_vocab_token_ids, prepare_trace  # noqa: E402
-from range_connector.valkey_servers import stop_servers  # noqa: E402
+from range_connector.backends.valkey.servers import stop_servers  # noqa: E402
+from range_connector.bench.replay import ReplayRequest, build_requests, run_replay  # noqa: E402
+from range_connector.bench.replay_report import comparison_rows, format_comparison, write_json, write_plots  # noqa: E402
+from range_connector.bench.synthetic_trace import synthetic_trace  # noqa: E402
+from range_connector.bench.traces import PromptBuilder, normal_vocab_token_ids, prepare_trace  # noqa: E402
+from range_connector.testing.launch import ServerProcess, connector_config, scrape_metrics  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -65,7 +65,7 @@ def expected_hits(prompts: list[tuple[int, ...]]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from range_connector.tiny_models import build_model
+    from range_connector.testing.tiny_models import build_model
 
     return build_model("gqa", "tiny")
 

@@ -4,8 +4,8 @@
   method), joined by ``torch.distributed`` gloo on loopback, commanded through pipes; every wait has a timeout and
   the pool kills its own processes (by pid) if one does not answer. Groups of ranks ``[0, P)`` exist for every P up
   to ``world_size``, so one pool serves P = 2 and P = 4 scenarios.
-* :class:`SchedulerSide`: the real :class:`~range_connector.scheduler.RangeScheduler` over one
-  :class:`~range_connector.backends.valkey.ValkeyBackend` per shard, driven the way vLLM 0.32's scheduler drives it
+* :class:`SchedulerSide`: the real :class:`~range_connector.scheduler.facade.RangeScheduler` over one
+  :class:`~range_connector.backends.valkey.client.ValkeyBackend` per shard, driven the way vLLM 0.32's scheduler drives it
   (``v1/core/sched/scheduler.py``: ``get_num_new_matched_tokens`` L973-981, ``allocate_slots`` L1254-1271,
   ``update_state_after_alloc`` L1288-1293, ``num_computed_tokens`` = local + external L1367,
   ``build_connector_meta`` L1530/L1561, ``update_connector_output`` with the workers' aggregated metadata L3219,
@@ -30,10 +30,10 @@ from typing import Any
 
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-from range_connector.backends.valkey import ValkeyBackend
+from range_connector.backends.valkey.client import ValkeyBackend
 from range_connector.config import RangeConfig
-from range_connector.metadata import RangeConnectorMetadata, RangeWorkerMetadata
-from range_connector.scheduler import RangeScheduler
+from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata
+from range_connector.scheduler.facade import RangeScheduler
 from tests.unit.test_scheduler_worker import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, NUM_BLOCKS, FakeRequest
 
 #: Seconds to wait for a rank's answer before the pool is declared hung (tests then fail, never hang).

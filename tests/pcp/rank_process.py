@@ -1,7 +1,7 @@
 """One PCP rank of the multi-process harness: a process of its own, joined to the others by ``torch.distributed``
 (gloo on loopback), holding its own KV tensors in the engine's CPU layout, its own connections to its own shards'
-Valkey servers, a real :class:`~range_connector.worker.RangeWorker` over its
-:class:`~range_connector.sharding.RankSlice`, and a :class:`~range_connector.pcp.PcpExchange`.
+Valkey servers, a real :class:`~range_connector.worker.facade.RangeWorker` over its
+:class:`~range_connector.kv.sharding.RankSlice`, and a :class:`~range_connector.worker.pcp.PcpExchange`.
 
 The test process sends commands through a pipe; :meth:`Rank.step` runs one engine step's worker hooks in the order
 vLLM 0.32's worker calls them:
@@ -15,7 +15,7 @@ vLLM 0.32's worker calls them:
   (L51), the attention (which writes this step's KV of the layer), ``save_kv_layer`` on exit (L57; Range saves in
   ``wait_for_save`` instead, so it does nothing).
 
-Each hook is a call of :class:`~range_connector.pcp_worker.PcpWorkerRouter`, the class the connector facade
+Each hook is a call of :class:`~range_connector.worker.pcp_router.PcpWorkerRouter`, the class the connector facade
 delegates to on a PCP rank (``RangeConnector`` builds it when the writer count is above 1), so the harness runs
 the product's worker-side routing; only vLLM's model runner around it is replaced.
 """
@@ -38,7 +38,7 @@ IDLE_EXIT_S = 300.0
 def main(rank: int, world_size: int, init_file: str, conn: Any, group_timeout_s: float) -> None:
     """Entry point of a rank process (``multiprocessing`` spawn target)."""
     torch.set_num_threads(1)
-    import range_connector.worker  # noqa: F401  (the heavy imports, vLLM's included, before the group forms)
+    import range_connector.worker.facade  # noqa: F401  (the heavy imports, vLLM's included, before the group forms)
     import tests.unit.test_scheduler_worker  # noqa: F401
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -108,10 +108,10 @@ class _RankEngine:
     def __init__(self, rank: int, pcp_size: int, group: Any, *, urls: list[str], kind: str, chunk_tokens: int,
                  seed: int, capacities: list[int | None], backend_timeout_s: float, load_deadline_s: float,
                  collective_timeout_s: float) -> None:
-        from range_connector.backends.valkey import ValkeyBackend
+        from range_connector.backends.valkey.client import ValkeyBackend
         from range_connector.config import RangeConfig
-        from range_connector.pcp_worker import PcpWorkerRouter
-        from range_connector.sharding import ShardPlan, shards_of_rank
+        from range_connector.kv.sharding import ShardPlan, shards_of_rank
+        from range_connector.worker.pcp_router import PcpWorkerRouter
         from tests.unit.test_scheduler_worker import BLOCK, LAYERS, NUM_BLOCKS, make_kv
 
         num_shards = len(urls)

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from range_connector.backends.valkey import ValkeyBackend
-from range_connector.namespace import prefix_hash_chain
-from range_connector.sharding import ShardPlan, leading_run
-from range_connector.tickets import ticket_key
+from range_connector.backends.valkey.client import ValkeyBackend
+from range_connector.kv.namespace import prefix_hash_chain
+from range_connector.kv.sharding import ShardPlan, leading_run
+from range_connector.kv.tickets import ticket_key
 from tests.conftest import ValkeyServers
 from tests.pcp.harness import PcpEngine, RankPool
 from tests.unit.test_scheduler_worker import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, FakeRequest, prompt_tokens

@@ -25,7 +25,7 @@ import httpx
 from aiohttp import web
 from multidict import CIMultiDict
 
-from range_connector.proxy import ProxyServer
+from range_connector.serving.proxy import ProxyServer
 
 T = TypeVar("T")
 

@@ -9,8 +9,8 @@ import pytest
 
 from range_connector.config import RangeConfig
 from range_connector.errors import ConfigError
-from range_connector.launch import ServerProcess, check_model_dir
-from range_connector.tiny_models import build_model
+from range_connector.testing.launch import ServerProcess, check_model_dir
+from range_connector.testing.tiny_models import build_model
 
 
 @pytest.mark.timeout(120)
@@ -60,7 +60,7 @@ def test_a_bandwidth_that_is_not_a_number_is_named_in_bytes_per_second() -> None
     ({"runtime_dir": "<file>/x"}, "runtime_dir"),  # embedded Valkey servers
 ])
 def test_a_directory_that_cannot_be_created_fails_at_start_up_naming_the_key(tmp_path, extra: dict, key: str) -> None:
-    from range_connector.tiers import open_shard_backends
+    from range_connector.backends.factory import open_shard_backends
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -76,7 +76,7 @@ def test_something_other_than_valkey_at_a_valkey_url_fails_at_start_up_naming_th
     import socket
     import threading
 
-    from range_connector.tiers import open_shard_backends
+    from range_connector.backends.factory import open_shard_backends
 
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from range_connector.calibrate import break_even_rows, build_calibration
-from range_connector.calibration_file import load_calibration, write_calibration
 from range_connector.cli import main
-from range_connector.cost_model import PrefillRate, min_winning_prompt_tokens
+from range_connector.cli.calibrate import break_even_rows, build_calibration
+from range_connector.cost.calibration_file import load_calibration, write_calibration
+from range_connector.cost.model import PrefillRate, min_winning_prompt_tokens
 
 pytestmark = pytest.mark.timeout(60)
 

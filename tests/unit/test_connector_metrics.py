@@ -15,19 +15,12 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from range_connector.launch import free_port
-from range_connector.metadata import ChunkTransfer
-from range_connector.metrics import (
-    GATE_DECISIONS,
-    PROM_COUNTERS,
-    PROM_GATE,
-    LoadTally,
-    RangeConnectorStats,
-    RangePromMetrics,
-    tokens_per_chunk,
-)
-from range_connector.namespace import ChunkHash
-from range_connector.replay_metrics import RANGE_COUNTERS, connector_check, engine_counts, snapshot_metrics
+from range_connector.bench.replay_metrics import RANGE_COUNTERS, connector_check, engine_counts, snapshot_metrics
+from range_connector.connector.stats import RangeConnectorStats, RangePromMetrics
+from range_connector.kv.metadata import ChunkTransfer
+from range_connector.kv.namespace import ChunkHash
+from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE, LoadTally, tokens_per_chunk
+from range_connector.testing.launch import free_port
 from tests.unit.test_scheduler_worker import (
     Engine,
     FakeRequest,
@@ -283,9 +276,9 @@ def test_connector_check_accounts_for_aborted_and_readmitted_loads() -> None:
 
 
 def test_report_rows_show_the_check_and_both_ttfts() -> None:
-    from range_connector.replay import ReplayReport, RequestResult, summarize
-    from range_connector.replay_metrics import COUNTERS, EngineCounts
-    from range_connector.replay_report import check_cell, comparison_rows
+    from range_connector.bench.replay import ReplayReport, RequestResult, summarize
+    from range_connector.bench.replay_metrics import COUNTERS, EngineCounts
+    from range_connector.bench.replay_report import check_cell, comparison_rows
 
     totals = dict.fromkeys(COUNTERS, 0.0)
     totals.update(prompt_tokens=1000, external_hit_tokens=600, range_loaded_tokens=500, range_failed_tokens=64,

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from range_connector.calibration_file import (
+from range_connector.cost.calibration_file import (
     Calibration,
     fit_prefill_rate,
     fit_tier_line,
     load_calibration,
     write_calibration,
 )
-from range_connector.cost_estimators import (
+from range_connector.cost.estimators import (
     MAX_BANDWIDTH_BYTES_PER_S,
     MAX_T0_S,
     MAX_TOKENS_PER_S,
@@ -33,7 +33,7 @@ from range_connector.cost_estimators import (
     RateEstimator,
     TierEstimator,
 )
-from range_connector.cost_model import Action, PrefillRate, TierEstimate, decide
+from range_connector.cost.model import Action, PrefillRate, TierEstimate, decide
 from range_connector.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The cost model's formulas and decision (``range_connector.cost_model``), checked against the published figures.
+"""The cost model's formulas and decision (``range_connector.cost.model``), checked against the published figures.
 
 Published (arXiv 2610.21500, as quoted in DESIGN.md §5): ``B* = s·R = 2.53 GB/s``, ``T0 = 0.33 s``, prompts shorter
 than about 17k tokens never win at any bandwidth, a 16k-token prompt recomputes in 0.31 s while its remote hit took
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
-from range_connector.cost_model import (
+from range_connector.cost.model import (
     Action,
     LoadMode,
     PrefillRate,

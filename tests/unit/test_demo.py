@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from range_connector.demo import decode_engine_view, load_trace, main
-from range_connector.replay_metrics import COUNTERS, EngineCounts
-from range_connector.synthetic_trace import synthetic_trace
-from range_connector.traces import write_mooncake
+from range_connector.bench.demo import decode_engine_view, load_trace, main
+from range_connector.bench.replay_metrics import COUNTERS, EngineCounts
+from range_connector.bench.synthetic_trace import synthetic_trace
+from range_connector.bench.traces import write_mooncake
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 

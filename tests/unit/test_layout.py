@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from range_connector.errors import ConfigError
-from range_connector.layout import block_rows
+from range_connector.kv.layout import block_rows
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from range_connector.namespace import (
+from range_connector.kv.namespace import (
     FORMAT_VERSION,
     HASH_BYTES,
     SHARD_RULE,
@@ -62,7 +62,7 @@ NAMESPACE_VARIANTS = {
 
 _CHILD = """
 import json, sys
-from range_connector.namespace import namespace_fingerprint, prefix_hash_chain, request_salt
+from range_connector.kv.namespace import namespace_fingerprint, prefix_hash_chain, request_salt
 fields, tokens, chunk_tokens = json.loads(sys.stdin.read())
 ns = namespace_fingerprint(fields)
 salt = request_salt("lora-a", "cache-salt", ["img-1", "img-2"])

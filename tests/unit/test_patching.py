@@ -14,14 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from range_connector import cli
-from range_connector.compat import PINNED_VLLM_VERSION
-from range_connector.patching import (
+from range_connector.cli.patch import (
     BACKUP_SUFFIX,
     PATCH_NAME,
     PINNED_SHA256,
@@ -30,6 +29,7 @@ from range_connector.patching import (
     diff_text,
     patch_status,
 )
+from range_connector.compat import PINNED_VLLM_VERSION
 from range_connector.plugin import FORCE_MLA_DIRECT_CALL_ENV
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,8 +20,12 @@ from hypothesis import strategies as st
 
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig
-from range_connector.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
-from range_connector.pcp import (
+from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
+from range_connector.kv.sharding import RankSlice, ShardPlan, leading_run
+from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.scheduler.facade import RangeScheduler
+from range_connector.worker.facade import RangeWorker
+from range_connector.worker.pcp import (
     NO_FAILURE,
     PcpExchange,
     blocks_from,
@@ -29,12 +33,18 @@ from range_connector.pcp import (
     failed_from_blocks,
     plan_digest,
 )
-from range_connector.scheduler import RangeScheduler
-from range_connector.sharding import RankSlice, ShardPlan, leading_run
-from range_connector.tickets import Ticket, ticket_key
-from range_connector.worker import RangeWorker
-from tests.unit.test_scheduler_worker import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, NUM_BLOCKS, chain, make_kv
-from tests.unit.test_scheduler_worker import prompt_tokens, same_block
+from range_connector.worker.pcp_router import rank_view_config
+from tests.unit.test_scheduler_worker import (
+    BLOCK,
+    LAYER_BLOCK_BYTES,
+    LAYERS,
+    NAMESPACE,
+    NUM_BLOCKS,
+    chain,
+    make_kv,
+    prompt_tokens,
+    same_block,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -80,7 +90,7 @@ def test_rank_views_store_what_one_writer_of_every_shard_stores(pcp_size: int, n
     writes_per_rank = []
     for r in range(pcp_size):
         view = RankSlice(plan, r)
-        rw = RangeWorker(view.config(config(num_shards, chunk_tokens), BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
+        rw = RangeWorker(rank_view_config(view, config(num_shards, chunk_tokens), BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
                          view.backends(ranked), shard_idxs=view.shard_idxs)
         rw.register_kv_caches(kv)
         rw.save(view.metadata(meta))
@@ -125,7 +135,7 @@ def test_a_rank_view_loads_exactly_its_own_blocks(pcp_size: int, num_shards: int
     for r in range(pcp_size):
         view = RankSlice(plan, r)
         dst = make_kv("dense", seed=100 + r)
-        rw = RangeWorker(view.config(config(num_shards, chunk_tokens), BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
+        rw = RangeWorker(rank_view_config(view, config(num_shards, chunk_tokens), BLOCK), BLOCK, LAYERS, NUM_BLOCKS,
                          view.backends(backends), shard_idxs=view.shard_idxs)
         rw.register_kv_caches(dst)
         rw.start_load(view.metadata(meta))

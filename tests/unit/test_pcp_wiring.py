@@ -1,6 +1,6 @@
-"""How the connector is configured for context parallelism: ``sharding.deployment_plan`` (shard count, load mode,
+"""How the connector is configured for context parallelism: ``spec.deployment_plan`` (shard count, load mode,
 plan, slicing rule) and the compatibility probe of vLLM's PCP/DCP sizes and ranks (``compat.context_parallel``).
-The worker-side routing itself (:class:`~range_connector.pcp_worker.PcpWorkerRouter`) runs in the multi-process
+The worker-side routing itself (:class:`~range_connector.worker.pcp_router.PcpWorkerRouter`) runs in the multi-process
 harness (``tests/pcp``)."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from range_connector import compat
 from range_connector.compat import ContextParallel
 from range_connector.config import RangeConfig
 from range_connector.errors import ConfigError
-from range_connector.namespace import SHARD_RULE
-from range_connector.sharding import ShardPlan, deployment_plan
+from range_connector.kv.namespace import SHARD_RULE
+from range_connector.kv.sharding import ShardPlan
+from range_connector.spec import deployment_plan
 
 pytestmark = pytest.mark.timeout(60)
 

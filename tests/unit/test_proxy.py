@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from range_connector.cli import main
-from range_connector.launch import free_port
-from range_connector.proxy import Policy, ProxyConfig, ProxyServer
+from range_connector.serving.proxy import Policy, ProxyConfig, ProxyServer
+from range_connector.testing.launch import free_port
 from tests.unit.stub_engines import RANGE_SETTINGS, LoopThread, Stack, StubEngine, sse_events
 
 pytestmark = pytest.mark.timeout(60)
@@ -315,7 +315,7 @@ def test_a_body_that_is_not_json_answers_400(make_stack) -> None:
 def test_settings_mismatch_answers_409_naming_the_key(make_stack, caplog) -> None:
     stack = make_stack()
     stack.decodes[0].behaviour.settings = {**RANGE_SETTINGS, "block_size": 32}
-    with caplog.at_level(logging.WARNING, logger="range_connector.proxy"):
+    with caplog.at_level(logging.WARNING, logger="range_connector.serving.proxy"):
         response = stack.post("/v1/completions", COMPLETION)
     assert response.status_code == 409
     error = response.json()["error"]

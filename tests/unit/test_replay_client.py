@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from range_connector.launch import free_port
-from range_connector.replay import ReplayRequest, RequestResult, replay_requests, run_replay, summarize
-from range_connector.replay_metrics import histogram_quantile
+from range_connector.bench.replay import ReplayRequest, RequestResult, replay_requests, run_replay, summarize
+from range_connector.bench.replay_metrics import histogram_quantile
+from range_connector.testing.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,8 +66,14 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
 def test_comparison_table_ratios_and_output_equality(tmp_path) -> None:
     import json
 
-    from range_connector.replay import ReplayReport
-    from range_connector.replay_report import format_comparison, output_divergences, ratios, same_outputs, write_json
+    from range_connector.bench.replay import ReplayReport
+    from range_connector.bench.replay_report import (
+        format_comparison,
+        output_divergences,
+        ratios,
+        same_outputs,
+        write_json,
+    )
 
     def report(label: str, ttft_s: float, digests: list[str]) -> ReplayReport:
         ids = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9, 9, 9, 9], "x": [9, 9, 5, 5]}
@@ -93,7 +99,7 @@ def test_comparison_table_ratios_and_output_equality(tmp_path) -> None:
 
 
 def test_unreadable_metrics_are_reported_not_raised() -> None:
-    from range_connector.replay_metrics import engine_counts, snapshot_metrics
+    from range_connector.bench.replay_metrics import engine_counts, snapshot_metrics
 
     url = f"http://127.0.0.1:{free_port()}"  # an engine that is gone
     snap = snapshot_metrics([url], timeout_s=2.0)

@@ -47,11 +47,11 @@ from range_connector.backends.base import Backend, RangeRead, ScatterDest, Strip
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError, BackendTimeoutError
-from range_connector.metadata import RangeConnectorMetadata, RangeWorkerMetadata
-from range_connector.namespace import ChunkHash, prefix_hash_chain
-from range_connector.scheduler import RangeScheduler, hit_tokens
-from range_connector.tickets import Ticket, ticket_key
-from range_connector.worker import RangeWorker
+from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata
+from range_connector.kv.namespace import ChunkHash, prefix_hash_chain
+from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.scheduler.facade import RangeScheduler, hit_tokens
+from range_connector.worker.facade import RangeWorker
 
 BLOCK = 16
 NUM_BLOCKS = 64

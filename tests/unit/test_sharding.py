@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from range_connector.errors import ConfigError
-from range_connector.namespace import ChunkHash
-from range_connector.sharding import RankSlice, ShardPlan, common_stored_prefix, leading_run, shards_of_rank
+from range_connector.kv.namespace import ChunkHash
+from range_connector.kv.sharding import RankSlice, ShardPlan, common_stored_prefix, leading_run, shards_of_rank
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -111,7 +111,7 @@ def test_dcp_slices_follow_vllm_interleave(dcp: int, k: int, blocks: int, interl
 
 
 def test_rule_names_are_distinct_and_whole_blocks_keep_the_old_name() -> None:
-    from range_connector.namespace import SHARD_RULE
+    from range_connector.kv.namespace import SHARD_RULE
 
     assert ShardPlan(4, 2, pcp_size=2).rule == ShardPlan(4, 4).rule == SHARD_RULE  # a PCP=1 reader shares it
     assert ShardPlan(4, 2, pcp_size=2, dcp_size=2).rule == f"dcp2-interleave1-{SHARD_RULE}"
@@ -140,7 +140,7 @@ def test_unsupported_context_parallel_layouts_raise(kwargs: dict) -> None:
 @settings(max_examples=300, deadline=None)
 @given(plan=plans)
 def test_rank_views_partition_every_chunk(plan: ShardPlan) -> None:
-    from range_connector.metadata import ChunkTransfer
+    from range_connector.kv.metadata import ChunkTransfer
 
     bpc = plan.blocks_per_chunk
     chunk = ChunkTransfer(0, ChunkHash(b"h"), tuple(range(bpc)), tuple(100 + p for p in range(bpc)))

@@ -1,4 +1,4 @@
-"""Tests of range_connector.tiny_models: build speed, caching, sizes, tokenizer (no vLLM)."""
+"""Tests of range_connector.testing.tiny_models: build speed, caching, sizes, tokenizer (no vLLM)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from range_connector import tiny_models
-from range_connector.tiny_models import MODEL_KINDS, MODEL_SIZES, build_model, kv_bytes_per_token
+from range_connector.testing import tiny_models
+from range_connector.testing.tiny_models import MODEL_KINDS, MODEL_SIZES, build_model, kv_bytes_per_token
 
 # Expected architecture of each model: (architecture, layers, KV bytes per token in bf16).
 EXPECTED = {

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from range_connector.errors import TraceError
-from range_connector.synthetic_trace import synthetic_trace
-from range_connector.traces import (
+from range_connector.bench.synthetic_trace import synthetic_trace
+from range_connector.bench.traces import (
     MOONCAKE_BLOCK_TOKENS,
     PromptBuilder,
     Trace,
@@ -30,6 +29,7 @@ from range_connector.traces import (
     slice_trace,
     write_mooncake,
 )
+from range_connector.errors import TraceError
 
 pytestmark = pytest.mark.timeout(60)
 

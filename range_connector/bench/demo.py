@@ -1,0 +1,420 @@
+"""``make demo``: disaggregated prefill through Range on the CPU, replaying a trace, against one engine without it.
+
+Run ``python -m range_connector.bench.demo`` (``make demo``; ``make demo TRACE=file`` adds ``--trace file``). It
+
+1. builds (or finds) the model, ``tiny_models.build_model("gqa", "bench")`` by default (see *Model* below);
+2. starts one embedded Valkey server per shard (2 shards) in ``<demo dir>/run/valkey``, a prefill engine
+   (``kv_role`` ``kv_producer``, core 0) and a decode engine (``kv_role`` ``kv_consumer``, core 1), both with Range
+   on those servers, then ``range-connector proxy`` in front of them;
+3. replays the trace through the proxy (:func:`range_connector.bench.replay.run_replay`: each request at its arrival
+   time, streamed, greedy, ``ignore_eos``), reading both engines' ``/metrics`` around it, and stops all of that;
+4. replays the same trace against one vLLM engine without a connector (``none``, core 0, vLLM's own prefix cache
+   on, like the two P/D engines);
+5. prints the side-by-side table (:func:`range_connector.bench.replay_report.format_comparison`: ``range-pd`` against
+   ``none``, with ratios), then the paths of the JSON and the two PNGs in ``<demo dir>/results``.
+
+The trace: by default the built-in synthetic Mooncake-format trace
+(:func:`range_connector.bench.synthetic_trace.synthetic_trace`: 40 requests, multi-turn conversations over shared system
+prompts, Poisson arrivals at 1/s), token counts x 1/16 (hash block 512 -> 32 tokens; prompts of 43-867 tokens,
+19,406 in all; at best 76% of them can come from a prefix cache). ``--trace FILE`` replays a real Mooncake
+``.jsonl`` (or Azure ``.csv``) file instead: 100 requests of whole conversations
+(:func:`range_connector.bench.traces.sample_conversations`; contiguous slices share almost nothing), token counts
+x 1/32, arrivals compressed to span ``--duration-s`` (90 s). Every transform is printed and kept in the JSON.
+
+Counting: vLLM counts a P/D prompt on both engines (the prefill engine computes it, the decode engine admits it
+again), so the ``range-pd`` column's engine rows (prompt tokens, local and tier hits, their shares, engine TTFT)
+are the decode engine's; both engines' totals are in the JSON. The decode engine's TTFT starts when the proxy
+forwards the request, after prefill, so it is shorter than the client's.
+
+Model (measured here, 29 November 2026: one engine on one core, the 2-core machine's load average 8 from other
+work, no prefix caching, prompts of 256 / 1,024 / 2,048 tokens, 33 output tokens):
+
+=========================================  ===========================  ============  ===========
+model                                      prefill tokens/s             TTFT 2,048    TPOT
+=========================================  ===========================  ============  ===========
+``tiny`` (4 layers, 2 KiB of KV a token)   5,640 / 5,680 / 4,570        0.45 s        15-18 ms
+``bench`` (32 layers, 128 KiB a token)     805 / 373 / 291              7.0 s         31-70 ms
+=========================================  ===========================  ============  ===========
+
+The bench model is fast enough: the scaled synthetic trace needs about 5,000 tokens of prefill that no prefix cache
+can serve (15-20 s of one core) within its 47 s of arrivals, and the whole demo takes about 3-4 minutes once the
+model is built. It is the one worth showing: its KV per token is an 8B Llama's, so the 2.5 GB of KV the decode
+engine loads is real work for the tier, where the tiny model's 2 KiB a token would make every load free.
+``--model-size tiny`` runs the demo on the tiny model instead.
+
+Engines: block size 64 tokens and chunks of 128 (one block per shard per chunk; at the default 128/256 most of these
+short prompts would end inside their last, unsaved chunk), ``--enforce-eager``, ``max_model_len`` 4096, KV cache
+1 GiB each (prefill, decode, ``none``: the machine is shared; 2 GiB ran it out of memory once).
+
+Everything it started (engines, proxy, Valkey) is stopped on success, on errors and on Ctrl-C or SIGTERM. Exit
+status: 0 when every request of both replays succeeded and the decode engine loaded tokens from the tier; 1, with
+one ``FAILED:`` line, otherwise; 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from range_connector.testing.launch import ServerProcess, complete, connector_config, free_port
+
+if TYPE_CHECKING:
+    from range_connector.bench.replay import ReplayReport, ReplayRequest
+    from range_connector.bench.replay_metrics import EngineCounts
+    from range_connector.bench.traces import Trace
+
+__all__ = ["decode_engine_view", "load_trace", "main"]
+
+DEMO_DIR = Path(".cache") / "range-connector" / "demo"
+NUM_SHARDS = 2
+BLOCK_TOKENS = 64
+CHUNK_TOKENS = NUM_SHARDS * BLOCK_TOKENS
+MAX_MODEL_LEN_TOKENS = 4096
+SYNTHETIC_REQUESTS = 40
+SYNTHETIC_TOKEN_SCALE = 1 / 16
+TRACE_REQUESTS = 100
+TRACE_TOKEN_SCALE = 1 / 32
+TRACE_DURATION_S = 90.0
+PRIME_SEED = 987_654_321  # the priming prompt shares no block with the trace's (seed 0)
+STARTUP_TIMEOUT_S = 600.0
+PROXY_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 300.0
+ENGINE_ARGS = ("--enable-prompt-tokens-details",)  # cached tokens per request in the client's usage
+
+_T0 = time.monotonic()
+
+
+class DemoError(RuntimeError):
+    """A step of the demo failed; the message is one line."""
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - _T0:5.0f}s] {message}", flush=True)
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class _Cleanup(contextlib.ExitStack):
+    """An ExitStack whose unwinding (stopping processes) is not cut short by a second Ctrl-C or SIGTERM."""
+
+    def __exit__(self, *exc: Any) -> bool:
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+class ProxyProcess:
+    """``range-connector proxy`` as a subprocess in its own process group, logging to ``log_path``.
+
+    Args:
+        prefill_url: ``http://host:port`` of the prefill engine.
+        decode_url: ``http://host:port`` of the decode engine.
+        log_path: File for the proxy's output.
+    """
+
+    def __init__(self, prefill_url: str, decode_url: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.command = [sys.executable, "-c", "import sys; from range_connector.cli import main; sys.exit(main())",
+                        "proxy", "--prefill", prefill_url, "--decode", decode_url, "--port", str(self.port),
+                        "--health-interval-s", "2", "--timeout-s", str(REQUEST_TIMEOUT_S)]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ProxyProcess:
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log_file,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until ``GET /health`` answers 200.
+
+        Raises:
+            DemoError: The proxy exited, or did not answer within ``timeout_s`` seconds.
+        """
+        import httpx
+
+        if self.process is None:
+            raise RuntimeError("wait_ready() before the proxy was started")
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise DemoError(f"proxy exited with code {self.process.returncode}: "
+                                f"{_one_line(self.log_path.read_text(errors='replace')[-400:])} (log {self.log_path})")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            if time.monotonic() > deadline_s:
+                raise DemoError(f"proxy {self.url} not healthy within {timeout_s:g} s (log {self.log_path})")
+            time.sleep(0.3)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=5)
+
+
+def load_trace(trace_path: str | None, *, count: int | None, token_scale: float | None,
+               duration_s: float, max_model_len: int = MAX_MODEL_LEN_TOKENS) -> Trace:
+    """The demo's trace, sliced and scaled (every transform is recorded in ``Trace.transforms``).
+
+    Args:
+        trace_path: A Mooncake ``.jsonl`` or Azure ``.csv`` file; ``None`` for the synthetic trace.
+        count: Requests (default 40 synthetic, 100 of whole conversations from a file).
+        token_scale: Factor on token counts and the hash block (default 1/16 synthetic, 1/32 from a file).
+        duration_s: A file's sampled arrivals are compressed (never stretched) to span this many seconds.
+        max_model_len: Longer prompts are cut to fit the engines.
+
+    Returns:
+        The :class:`range_connector.bench.traces.Trace`.
+
+    Raises:
+        TraceError: The file is unreadable or malformed, or an argument is out of range (named).
+        OSError: The file cannot be opened.
+    """
+    from range_connector.bench.synthetic_trace import synthetic_trace
+    from range_connector.bench.traces import prepare_trace, read_trace
+    from range_connector.errors import TraceError
+
+    if not duration_s > 0:
+        raise TraceError(f"--duration-s: {duration_s} must be > 0")
+    if trace_path is None:
+        base = synthetic_trace(count or SYNTHETIC_REQUESTS, seed=0, request_rate_per_s=1.0)
+        return prepare_trace(base, token_scale=token_scale or SYNTHETIC_TOKEN_SCALE, max_model_len=max_model_len)
+    base = read_trace(trace_path)
+    count = count or TRACE_REQUESTS
+    sampled = prepare_trace(base, count=count, conversations=True, seed=0)
+    span_s = sampled.describe()["duration_s"]
+    time_scale = min(1.0, duration_s / span_s) if span_s > 0 else 1.0
+    return prepare_trace(base, count=count, conversations=True, seed=0, time_scale=time_scale,
+                         token_scale=token_scale or TRACE_TOKEN_SCALE, max_model_len=max_model_len)
+
+
+def decode_engine_view(engine: EngineCounts | None, decode_url: str) -> EngineCounts | None:
+    """The engine counts of a P/D replay as the decode engine saw them.
+
+    vLLM counts a P/D prompt on both engines, so sums over both halve every share. This keeps the decode engine's
+    entry of ``per_engine`` as ``totals`` (the connector check and the verified tier share follow from them) and
+    shares (tier hits / prompt tokens), its own TTFT (``extra["per_engine_ttft_s"]``; without it, the mean from the
+    ``_sum``/``_count`` counters and no percentiles), and both engines' sums under ``extra["both_engines"]``.
+
+    Args:
+        engine: ``ReplayReport.engine`` (a :class:`range_connector.bench.replay_metrics.EngineCounts`), or ``None``.
+        decode_url: The decode engine's URL as given in ``metrics_urls``.
+
+    Returns:
+        A new ``EngineCounts``; ``engine`` itself when it is ``None`` or lacks the decode engine (unreadable).
+    """
+    if engine is None or decode_url not in engine.per_engine:
+        return engine
+    decode = dict(engine.per_engine[decode_url])
+    prompt, count = decode["prompt_tokens"], decode["engine_ttft_count"]
+    ttft = engine.extra.get("per_engine_ttft_s", {}).get(decode_url) or {
+        "count": count, "mean": decode["engine_ttft_sum_s"] / count if count else None,
+        "p50": None, "p90": None, "p99": None}
+    return dataclasses.replace(
+        engine, totals=decode, engine_ttft_s=dict(ttft),
+        external_hit_share=decode["external_hit_tokens"] / prompt if prompt else None,
+        local_hit_share=decode["local_hit_tokens"] / prompt if prompt else None,
+        extra={**engine.extra, "engine_rows_from": f"decode engine {decode_url}",
+               "both_engines": {"totals": engine.totals, "engine_ttft_s": engine.engine_ttft_s}})
+
+
+def _engine(model_dir: Path, run_dir: Path, name: str, core: str, kv_cache_gib: int,
+            kv_config: str | None) -> ServerProcess:
+    return ServerProcess(model_dir, work_dir=run_dir / name, block_size=BLOCK_TOKENS,
+                         max_model_len=MAX_MODEL_LEN_TOKENS, kv_transfer_config=kv_config,
+                         kvcache_space_gib=kv_cache_gib, omp_threads_bind=core, extra_args=ENGINE_ARGS,
+                         log_path=run_dir / f"{name}.log")
+
+
+def _replay(url: str, requests: list[ReplayRequest], trace: Trace, label: str, metrics_urls: list[str],
+            prime: list[int]) -> ReplayReport:
+    from range_connector.bench.replay import run_replay
+
+    complete(url, prompt_token_ids=prime, max_tokens=2, timeout_s=REQUEST_TIMEOUT_S)  # one-off first-request costs
+    _log(f"{label}: replaying {len(requests)} requests over {trace.describe()['duration_s']:.0f} s of arrivals")
+    return run_replay(url, requests, metrics_urls=metrics_urls, label=label, trace=trace,
+                      request_timeout_s=REQUEST_TIMEOUT_S, progress=True)
+
+
+def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
+                      prime: list[int]) -> ReplayReport:
+    """Valkey (2 shards), prefill and decode engines with Range, the proxy; replay through the proxy; stop all.
+
+    Returns:
+        The ``range-pd`` :class:`range_connector.bench.replay.ReplayReport` (engine rows: :func:`decode_engine_view`).
+
+    Raises:
+        DemoError, ServerError: A process did not start (the message names its log).
+    """
+    from range_connector.backends.valkey.servers import ensure_servers, server_status, stop_servers
+
+    valkey_dir = run_dir / "valkey"
+    with _Cleanup() as cleanup:
+        cleanup.callback(lambda: _log(f"stopped {stop_servers(valkey_dir)} Valkey server(s)"))
+        urls = ensure_servers(NUM_SHARDS, valkey_dir)
+        _log(f"Valkey: {NUM_SHARDS} shards at {', '.join(urls)} (runtime dir {valkey_dir})")
+        common = {"valkey_urls": urls, "chunk_tokens": CHUNK_TOKENS}
+        prefill = _engine(model_dir, run_dir, "prefill", "0", 1, connector_config(common, role="kv_producer"))
+        decode = _engine(model_dir, run_dir, "decode", "1", 1, connector_config(common, role="kv_consumer"))
+        cleanup.callback(lambda: _log("stopped the prefill and decode engines"))
+        for name, server in (("prefill", prefill), ("decode", decode)):
+            cleanup.enter_context(server)
+            _log(f"{name} engine starting on {server.base_url} (core {server.omp_threads_bind}, log {server.log_path})")
+        for name, server in (("prefill", prefill), ("decode", decode)):
+            _log(f"{name} engine ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
+        proxy = cleanup.enter_context(ProxyProcess(prefill.base_url, decode.base_url, run_dir / "proxy.log"))
+        proxy.wait_ready(PROXY_TIMEOUT_S)
+        _log(f"proxy ready on {proxy.url} (log {proxy.log_path})")
+        report = _replay(proxy.url, requests, trace, "range-pd", [prefill.base_url, decode.base_url], prime)
+        both = report.engine
+        report.engine = decode_engine_view(both, decode.base_url)
+        tier = [{"shard": s.shard_idx, "used_memory_bytes": s.used_memory_bytes, "num_keys": s.num_keys}
+                for s in server_status(valkey_dir)]
+        report.options.update(valkey=tier, logs={"prefill": str(prefill.log_path), "decode": str(decode.log_path),
+                                                 "proxy": str(proxy.log_path)},
+                              engines={"prefill": prefill.command(), "decode": decode.command()})
+        if both is not None and prefill.base_url in both.per_engine:
+            p = both.per_engine[prefill.base_url]
+            _log(f"prefill engine: {p['prompt_tokens']:.0f} prompt tokens, {p['local_hit_tokens']:.0f} from its own "
+                 f"prefix cache; Valkey now holds {sum(t['used_memory_bytes'] or 0 for t in tier) / 2**20:.0f} MiB "
+                 f"in {sum(t['num_keys'] or 0 for t in tier)} keys over {len(tier)} shards")
+        _log("range-pd: done; stopping the proxy, the engines and Valkey")
+    return report
+
+
+def run_baseline(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
+                 prime: list[int]) -> ReplayReport:
+    """One vLLM engine without a connector (core 0); replay; stop it. Returns the ``none`` report."""
+    with _Cleanup() as cleanup:
+        server = cleanup.enter_context(_engine(model_dir, run_dir, "none", "0", 1, None))
+        cleanup.callback(lambda: _log("stopped the engine without a connector"))
+        _log(f"none: engine without a connector starting on {server.base_url} (core 0, log {server.log_path})")
+        _log(f"none: ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
+        report = _replay(server.base_url, requests, trace, "none", [server.base_url], prime)
+        report.options.update(logs={"none": str(server.log_path)}, engines={"none": server.command()})
+    return report
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Range connector demo: disaggregated prefill replaying a trace, against "
+                                            "one engine without a connector.")
+    p.add_argument("--trace", default=None, help="Mooncake .jsonl or Azure .csv to replay (default: synthetic)")
+    p.add_argument("--count", type=int, default=None,
+                   help=f"requests (default {SYNTHETIC_REQUESTS} synthetic, {TRACE_REQUESTS} from --trace)")
+    p.add_argument("--token-scale", type=float, default=None,
+                   help=f"token-count factor (default {SYNTHETIC_TOKEN_SCALE:g} synthetic, "
+                        f"{TRACE_TOKEN_SCALE:g} from --trace)")
+    p.add_argument("--duration-s", type=float, default=TRACE_DURATION_S,
+                   help=f"--trace arrivals are compressed to span this many seconds (default {TRACE_DURATION_S:g})")
+    p.add_argument("--model-size", choices=("bench", "tiny"), default="bench", help="GQA model size (default bench)")
+    p.add_argument("--demo-dir", type=Path, default=DEMO_DIR, help=f"work folder (default {DEMO_DIR})")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo (see the module docstring). Returns the exit status: 0 ok, 1 failed, 130 interrupted."""
+    args = _parse_args(argv)
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    load_start = os.getloadavg()
+    try:
+        from range_connector.backends.valkey.servers import stop_servers
+        from range_connector.bench.replay_report import format_comparison, write_json, write_plots
+        from range_connector.bench.traces import PromptBuilder, normal_vocab_token_ids
+        from range_connector.errors import TraceError
+        from range_connector.testing.tiny_models import build_model
+
+        demo_dir = args.demo_dir.resolve()
+        run_dir = demo_dir / "run"
+        if (run_dir / "valkey").is_dir() and (stopped := stop_servers(run_dir / "valkey")):
+            _log(f"stopped {stopped} Valkey server(s) left by an earlier demo run")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        try:
+            trace = load_trace(args.trace, count=args.count, token_scale=args.token_scale, duration_s=args.duration_s)
+        except (TraceError, OSError) as exc:
+            raise DemoError(f"--trace: {exc}") from exc
+        info = trace.describe()
+        for line in trace.describe_lines():
+            _log(line)
+        _log(f"building (or finding) the {args.model_size} GQA model")
+        model_dir = build_model("gqa", args.model_size)
+        vocab = normal_vocab_token_ids(model_dir)
+        from range_connector.bench.replay import build_requests
+
+        requests = build_requests(trace, PromptBuilder(vocab, seed=0))
+        prime = PromptBuilder(vocab, seed=PRIME_SEED).block(0, 64).tolist()
+        _log(f"model {model_dir}; machine load average {load_start[0]:.1f} on {os.cpu_count()} cores")
+        pd_report = run_disaggregated(model_dir, run_dir, requests, trace, prime)
+        none_report = run_baseline(model_dir, run_dir, requests, trace, prime)
+        reports = [none_report, pd_report]
+        out = demo_dir / "results" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        extra = {"command": [sys.executable, "-m", "range_connector.bench.demo", *(argv or sys.argv[1:])],
+                 "model": str(model_dir), "trace": info, "wall_s": time.monotonic() - _T0,
+                 "engine_settings": {"block_tokens": BLOCK_TOKENS, "chunk_tokens": CHUNK_TOKENS,
+                                     "num_shards": NUM_SHARDS, "max_model_len_tokens": MAX_MODEL_LEN_TOKENS},
+                 "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()}}
+        write_json(out, reports, extra=extra)
+        pngs = write_plots(out.with_suffix(""), reports)
+        print()
+        print(format_comparison(reports))
+        print()
+        print(f"trace: {info['source']}; " + "; ".join(info["transforms"]))
+        print("range-pd: prefill engine (core 0) + decode engine (core 1) with Range, 2 Valkey shards, behind the "
+              "proxy; engine rows are the decode engine's. none: one engine (core 0), no connector.")
+        print(f"JSON: {out}")
+        for path in pngs:
+            print(f"PNG: {path}")
+        print(f"machine load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+              f"demo took {time.monotonic() - _T0:.0f} s")
+        failed = [f"{r.label}: {r.summary['num_errors']} of {r.summary['num_requests']} requests failed "
+                  f"({', '.join(f'{k} x{v}' for k, v in r.summary['errors'].items())})"
+                  for r in reports if r.summary["num_errors"]]
+        check = pd_report.engine.connector_check if pd_report.engine is not None else None
+        if check is None or check["loaded_tokens"] <= 0:  # Range's verified count, not vLLM's admission count
+            failed.append("range-pd: the decode engine loaded no token from the tier")
+        if failed:
+            print(f"FAILED: {'; '.join(failed)}", flush=True)
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        _log("interrupted; everything the demo started is stopped")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, processes already stopped by the phases' cleanup
+        print(f"FAILED: {type(exc).__name__}: {_one_line(exc)}", flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

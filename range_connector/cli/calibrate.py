@@ -1,0 +1,326 @@
+"""``range-connector calibrate``: measure ``R``, ``B`` and ``T0`` here, write the calibration file, print the table.
+
+* ``R``: a short prefill sweep against a vLLM API server (a running one given by URL, or one started on the model
+  without a connector): for each prompt length, fresh random token ids (so neither vLLM's prefix cache nor a
+  connector can hit), ``max_tokens = 1``, the client's time to first token; the median per length is fitted with
+  ``overhead + c1·n + c2·n²/2`` (:func:`~range_connector.cost.calibration_file.fit_prefill_rate`), which removes the
+  fixed per-request overhead (HTTP, scheduling, the one decode step) from the rate.
+* ``B`` and ``T0``: for each configured backend and shard, synthetic stripes of the model's layer count written
+  through the real backend classes, each read whole in one ``read_ranges`` call (as a load reads them), median of
+  a few reads per size, fitted with ``T0 + bytes/B`` (:func:`~range_connector.cost.calibration_file.fit_tier_line`).
+  The stripes are dropped afterwards. The engine's own fixed cost of a hit is not visible from here:
+  ``engine_t0_s`` adds it to every tier's ``T0`` when known.
+* The break-even table per backend (:func:`break_even_rows`): ``B``, ``T0``, ``B* = s·R``, the shortest prompt that
+  can win, and the predicted saving of loading a whole prompt at a few lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.cost.calibration_file import Calibration, fit_prefill_rate, fit_tier_line
+from range_connector.cost.model import (
+    PrefillRate,
+    TierEstimate,
+    break_even_bandwidth_bytes_per_s,
+    combine_shards,
+    load_time_s,
+    min_winning_prompt_tokens,
+)
+from range_connector.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+QUICK_PROMPT_TOKENS = (128, 256, 512, 1024)
+FULL_PROMPT_TOKENS = (256, 512, 1024, 2048, 4096)
+QUICK_READ_BYTES = (1 * MiB, 4 * MiB, 16 * MiB)
+FULL_READ_BYTES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+TABLE_PROMPT_TOKENS = (1024, 4096, 16384, 65536)
+_FIRST_SAFE_TOKEN_ID = 16  # random prompts avoid the tokenizer's special tokens at the start of the vocabulary
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What calibration needs from a model's ``config.json``.
+
+    Attributes:
+        bytes_per_token: ``s``, bf16 KV bytes of one token, all layers.
+        num_layers: attention layers.
+        vocab_size: token ids are drawn below this.
+    """
+
+    bytes_per_token: int
+    num_layers: int
+    vocab_size: int
+
+
+def model_facts(model_dir: str | Path) -> ModelFacts:
+    """Read :class:`ModelFacts` from a model directory.
+
+    Raises:
+        ConfigError: no readable ``config.json`` or missing fields (key ``model``).
+    """
+    from range_connector.testing.tiny_models import kv_bytes_per_token
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        return ModelFacts(kv_bytes_per_token(model_dir), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError("model", f"{model_dir}: cannot read the KV size from config.json ({exc!r})") from None
+
+
+def measure_prefill(base_url: str, prompt_tokens: Sequence[int], *, repeats: int, vocab_size: int, seed: int = 0,
+                    timeout_s: float = 120.0, report: Callable[[str], None] = print) -> list[tuple[int, float]]:
+    """Median client TTFT of ``max_tokens = 1`` requests with fresh random prompts, per length.
+
+    One warm-up request is sent first and not counted.
+
+    Args:
+        base_url: ``http://host:port`` of a vLLM API server.
+        prompt_tokens: lengths to measure (each below the server's ``max_model_len``).
+        repeats: requests per length.
+        vocab_size: token ids are drawn from ``[16, vocab_size)``.
+        seed: random seed of the prompts (mixed with the time, so reruns do not hit).
+        timeout_s: per-request timeout, seconds.
+        report: where progress lines go.
+
+    Returns:
+        ``[(prompt tokens, median seconds)]``.
+
+    Raises:
+        httpx.HTTPError: the server failed a request.
+    """
+    from range_connector.testing.launch import complete
+
+    rng = np.random.default_rng([seed, time.time_ns()])
+
+    def ttft(n: int) -> float:
+        ids = rng.integers(_FIRST_SAFE_TOKEN_ID, vocab_size, size=n).tolist()
+        return complete(base_url, prompt_token_ids=ids, max_tokens=1, timeout_s=timeout_s).ttft_s
+
+    ttft(min(prompt_tokens))
+    points = []
+    for n in prompt_tokens:
+        median_s = statistics.median(ttft(n) for _ in range(repeats))
+        report(f"  prefill {n:>6} tokens: {median_s * 1e3:8.1f} ms (median of {repeats})")
+        points.append((n, median_s))
+    return points
+
+
+def measure_tier(backend: Backend, read_bytes: Sequence[int], *, num_layers: int, repeats: int,
+                 report: Callable[[str], None] = print) -> list[tuple[int, float]]:
+    """Median seconds to read a stripe of ``num_layers`` equal layer values whole, per total size.
+
+    Each size is written once as a stripe of this tool's own (no tickets), read ``repeats`` times into one
+    preallocated buffer with one ``read_ranges`` call per read, then dropped.
+
+    Args:
+        backend: one shard's backend.
+        read_bytes: total bytes per read (split over the layers; capped at the tier's value limit per layer).
+        num_layers: layer values per stripe.
+        repeats: reads per size.
+        report: where progress lines go.
+
+    Returns:
+        ``[(bytes read, median seconds)]``.
+
+    Raises:
+        BackendError: the tier failed; ``RuntimeError`` if a stripe could not be stored or read back.
+    """
+    sizes = sorted({max(1, min(total // num_layers, backend.max_value_bytes)) for total in read_bytes})
+    payload = np.random.default_rng(0).integers(0, 256, size=max(sizes) * num_layers, dtype=np.uint8)
+    dest = bytearray(max(sizes) * num_layers)
+    points = []
+    for layer_bytes in sizes:
+        sid = uuid.uuid4().hex
+        values = [memoryview(payload[i * layer_bytes:(i + 1) * layer_bytes]) for i in range(num_layers)]
+        if not backend.write_stripe(StripeWrite(sid, values, ())):
+            raise RuntimeError(f"{backend.name}: no room for a {layer_bytes * num_layers}-byte calibration stripe")
+        try:
+            view = memoryview(dest)
+            reads = [RangeRead(sid, i, 0, layer_bytes, layer_bytes, view[i * layer_bytes:(i + 1) * layer_bytes])
+                     for i in range(num_layers)]
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                ok = backend.read_ranges(reads)
+                times.append(time.perf_counter() - start)
+                if not all(ok):
+                    raise RuntimeError(f"{backend.name}: calibration stripe {sid} was not read back")
+        finally:
+            backend.drop_stripes([sid])
+        total, median_s = layer_bytes * num_layers, statistics.median(times)
+        report(f"  read {total / MiB:8.1f} MiB: {median_s * 1e3:8.2f} ms ({total / median_s / 1e9:.2f} GB/s)")
+        points.append((total, median_s))
+    return points
+
+
+def build_calibration(prefill_points: Sequence[tuple[int, float]], tier_points: dict[str, list[list[tuple[int, float]]]],
+                      *, bytes_per_token: float | None, model: str | None, tokens_per_s: float | None = None,
+                      engine_t0_s: float = 0.0) -> Calibration:
+    """Fit measurements into a :class:`Calibration`.
+
+    Args:
+        prefill_points: ``[(prompt tokens, seconds)]`` (may be empty: then ``tokens_per_s`` or no prefill).
+        tier_points: ``{backend: [num_shards] [(bytes, seconds)]}``.
+        bytes_per_token: ``s`` of the model.
+        model: what was measured.
+        tokens_per_s: a constant ``R`` to record when the prefill was not measured.
+        engine_t0_s: fixed engine seconds per hit added to every tier's ``T0``.
+
+    Raises:
+        ValueError: measurements that cannot be fitted (see the fit functions).
+    """
+    prefill, overhead = (None, 0.0)
+    if prefill_points:
+        prefill, overhead = fit_prefill_rate(prefill_points)
+    elif tokens_per_s:
+        prefill = PrefillRate.constant(tokens_per_s)
+    tiers = {}
+    for name, shards in tier_points.items():
+        fits = [fit_tier_line(points) for points in shards]
+        tiers[name] = tuple(TierEstimate(f.bandwidth_bytes_per_s, f.t0_s + engine_t0_s) for f in fits)
+    return Calibration(prefill, overhead, tiers, bytes_per_token, model, time.time(),
+                       tuple((int(n), float(s)) for n, s in prefill_points),
+                       {name: tuple(tuple(p) for p in shards) for name, shards in tier_points.items()})
+
+
+def break_even_rows(calibration: Calibration, prompt_tokens: Sequence[int] = TABLE_PROMPT_TOKENS,
+                    ) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """The break-even table: one row per backend.
+
+    Columns: backend, shards, delivered ``B`` (GB/s, all shards read in parallel), ``T0`` (ms), ``B*`` (GB/s),
+    the shortest prompt that wins (tokens; ``never`` when ``B <= B*``), and for each prompt length the predicted
+    saving of loading all of it, ``recompute - load`` in seconds and as a share of recompute (negative: a loss).
+
+    Raises:
+        ValueError: the calibration has no prefill rate or no ``bytes_per_token``.
+    """
+    if calibration.prefill is None or not calibration.bytes_per_token:
+        raise ValueError("calibration: the table needs a prefill rate and bytes_per_token")
+    rate, s = calibration.prefill, calibration.bytes_per_token
+    header = ("BACKEND", "SHARDS", "B_GB/S", "T0_MS", "B*_GB/S", "SHORTEST_WIN_TOKENS",
+              *(f"SAVE@{n}" for n in prompt_tokens))
+    rows = []
+    for name, shards in calibration.tiers.items():
+        tier = combine_shards(shards)
+        shortest = min_winning_prompt_tokens(tier.t0_s, rate, s, tier.bandwidth_bytes_per_s)
+        cells = []
+        for n in prompt_tokens:
+            recompute = rate.time_s(0, n)
+            saving = recompute - load_time_s(n, s, tier.bandwidth_bytes_per_s, tier.t0_s)
+            cells.append(f"{saving:+.3f}s ({saving / recompute:+.0%})")
+        rows.append((name, str(len(shards)), f"{tier.bandwidth_bytes_per_s / 1e9:.2f}", f"{tier.t0_s * 1e3:.2f}",
+                     f"{break_even_bandwidth_bytes_per_s(s, rate) / 1e9:.2f}",
+                     "never" if shortest is None else str(shortest), *cells))
+    return header, rows
+
+
+def unique_backends(backends: Sequence[Backend]) -> list[Backend]:
+    """One backend per distinct instance (the DRAM tier is one instance for every shard)."""
+    return list({id(b): b for b in backends}.values())
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrateOptions:
+    """Inputs of :func:`run_calibration` (the command's options)."""
+
+    output: Path
+    model: str | None = None
+    url: str | None = None
+    backends: tuple[str, ...] = ()
+    extra_config: dict = dataclasses.field(default_factory=dict)
+    prompt_tokens: tuple[int, ...] = FULL_PROMPT_TOKENS
+    prefill_repeats: int = 5
+    read_bytes: tuple[int, ...] = FULL_READ_BYTES
+    read_repeats: int = 5
+    skip_prefill: bool = False
+    tokens_per_s: float | None = None
+    bytes_per_token: float | None = None
+    num_layers: int | None = None
+    vocab_size: int | None = None
+    engine_t0_s: float = 0.0
+    start_timeout_s: float = 300.0
+    table_tokens: tuple[int, ...] = TABLE_PROMPT_TOKENS
+
+
+def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = print) -> Calibration:
+    """Measure, fit and write the calibration file (see the module docstring).
+
+    Raises:
+        ConfigError: bad options or config (names the option or key); BackendError: a tier failed;
+        ServerError: the engine did not start.
+    """
+    from range_connector.backends.factory import open_shard_backends
+    from range_connector.config import BACKEND_NAMES, RangeConfig
+
+    if not opts.skip_prefill and not (opts.url or opts.model):
+        raise ConfigError("--model", "give --model (or --tiny) to start an engine, --url for a running one, or "
+                                     "--skip-prefill")
+    facts = model_facts(opts.model) if opts.model else None
+    s = opts.bytes_per_token or (facts.bytes_per_token if facts else None)
+    num_layers = opts.num_layers or (facts.num_layers if facts else None)
+    vocab = opts.vocab_size or (facts.vocab_size if facts else None)
+    if not opts.skip_prefill and vocab is None:
+        raise ConfigError("--vocab-size", "needed to measure a server without --model")
+    if opts.backends and num_layers is None:
+        raise ConfigError("--num-layers", "needed to measure tiers without --model")
+    if opts.backends and len(set(opts.read_bytes)) < 2:
+        raise ConfigError("--read-mib", "give at least two different sizes: B and T0 are fitted as a line through "
+                                        "the read times")
+    # No byte budget for our own stripes: a budget would make room by evicting the tier's real stripes.
+    config = dataclasses.replace(RangeConfig.from_extra_config(opts.extra_config), shard_capacity_bytes=0,
+                                 memory_capacity_bytes=0)
+    prefill_points: list[tuple[int, float]] = []
+    if not opts.skip_prefill:
+        if opts.url:
+            report(f"prefill sweep against {opts.url}")
+            prefill_points = measure_prefill(opts.url, opts.prompt_tokens, repeats=opts.prefill_repeats,
+                                             vocab_size=vocab)
+        else:
+            from range_connector.testing.launch import ServerProcess
+
+            with tempfile.TemporaryDirectory(prefix="range-calibrate-") as work, ServerProcess(
+                    opts.model, work_dir=work, max_model_len=max(opts.prompt_tokens) + 16) as server:
+                report(f"starting vLLM on {opts.model} (no connector) ...")
+                server.wait_ready(timeout_s=opts.start_timeout_s)
+                report(f"prefill sweep against {server.base_url}")
+                prefill_points = measure_prefill(server.base_url, opts.prompt_tokens,
+                                                 repeats=opts.prefill_repeats, vocab_size=vocab)
+    tier_points: dict[str, list[list[tuple[int, float]]]] = {}
+    for name in opts.backends:
+        if name not in BACKEND_NAMES:
+            raise ConfigError("--backends", f"{name!r} is not one of {', '.join(BACKEND_NAMES)}")
+        backends = open_shard_backends(dataclasses.replace(config, backend=name))
+        try:
+            tier_points[name] = []
+            for shard_idx, backend in enumerate(unique_backends(backends)):
+                report(f"{name} shard {shard_idx}: {backend.name}")
+                tier_points[name].append(measure_tier(backend, opts.read_bytes, num_layers=num_layers,
+                                                      repeats=opts.read_repeats, report=report))
+        finally:
+            for backend in unique_backends(backends):
+                backend.close()
+    calibration = build_calibration(prefill_points, tier_points, bytes_per_token=s,
+                                    model=opts.model or opts.url, tokens_per_s=opts.tokens_per_s,
+                                    engine_t0_s=opts.engine_t0_s)
+    from range_connector.cost.calibration_file import write_calibration
+
+    try:
+        report(f"wrote {write_calibration(calibration, opts.output)}")
+    except OSError as exc:
+        raise ConfigError("--output", f"cannot write the calibration file: {exc}") from exc
+    return calibration

@@ -1,0 +1,69 @@
+"""vLLM's carriers for Range's counters: :class:`RangeConnectorStats` (worker and scheduler intervals, summed by vLLM)
+and :class:`RangePromMetrics` (the counters on ``/metrics``). How they travel: :mod:`range_connector.metrics`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass
+class RangeConnectorStats(KVConnectorStats):
+    """Counters of one interval (``data``: name -> count), summed across workers and steps.
+
+    Worker names: ``loaded_blocks``, ``loaded_bytes``, ``failed_blocks``, ``saved_chunks``, ``saved_bytes``,
+    ``save_errors``, ``load_backend_errors``, ``load_integrity_errors``, ``load_deadline_misses``. Scheduler names:
+    ``lookups``, ``promised_tokens``, ... and the token tally (:class:`LoadTally`: ``loaded_tokens``,
+    ``failed_tokens``, ``aborted_tokens``, ``preempted_load_tokens``). The cost-model gate's counters (scheduler
+    side, :meth:`range_connector.cost.estimators.DecisionStats.snapshot`): ``decisions_taken``,
+    ``decisions_shortened``, ``decisions_refused``, ``decisions_probes``, ``loads_async``, ``loads_pipelined``, and
+    ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as floats).
+    """
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class RangePromMetrics(KVConnectorPromMetrics):
+    """Range's counters on vLLM's ``/metrics`` (:data:`PROM_COUNTERS`, :data:`PROM_GATE`), one child per engine
+    (labels ``model_name``, ``engine``, as vLLM's own). Built by ``RangeConnector.build_prom_metrics`` in the
+    process that serves ``/metrics``."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        gate = self._counter_cls(name=PROM_GATE[0], documentation=PROM_GATE[1], labelnames=[*labelnames, "decision"])
+        for key, decision in GATE_DECISIONS.items():
+            self._counters[key] = {idx: gate.labels(*values, decision)
+                                   for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's counts (:class:`RangeConnectorStats` data) to engine ``engine_idx``'s counters; other
+        keys are ignored."""
+        for key, value in transfer_stats_data.items():
+            children = self._counters.get(key)
+            if children is not None and value > 0 and engine_idx in children:
+                children[engine_idx].inc(value)

@@ -1,0 +1,441 @@
+"""The cost model: load a hit only when it beats recomputing it (DESIGN.md §3.2 and §5).
+
+Formulas, after *When the KV Cache Is Slower Than the GPU* (arXiv 2610.21500), with ``h`` tokens to load, ``s`` KV
+bytes per token, ``B`` the tier's delivered bytes/s and ``T0`` the fixed seconds every hit pays:
+
+* load: ``T0 + h·s/B`` (:func:`load_time_s`);
+* recompute: ``h/R`` for a constant prefill rate ``R`` tokens/s. Ours (not in the paper): attention makes a token's
+  prefill cost grow with its position, so tokens ``[a, b)`` of a prompt cost
+  ``c1·(b - a) + c2·(b² - a²)/2`` seconds (``c1``: per-token linear work, projections and MLP; ``c2``: attention
+  per token per token of context). ``R(ctx) = 1/(c1 + c2·ctx)`` is the marginal rate at context ``ctx``
+  (:class:`PrefillRate`, fitted by :func:`range_connector.cost.calibration_file.fit_prefill_rate`);
+* break-even bandwidth ``B* = s·R`` (a hit can pay only above it) and the shortest prompt that can win,
+  ``T0·R`` at infinite bandwidth (:func:`break_even_bandwidth_bytes_per_s`, :func:`min_winning_prompt_tokens`);
+* layer-pipelined (ours): the load of layer ``l`` overlaps the compute of layers ``< l`` and of the uncached suffix.
+  With ``L`` layers, transfer ``X = h·s/B`` and suffix compute ``Y``, a two-stage pipeline of ``L`` equal stages
+  finishes at ``T0 + max(X, Y) + min(X, Y)/L`` (:func:`pipelined_time_s`), to compare with computing the whole
+  prompt.
+
+:func:`decide` turns these into a per-request :class:`Decision`: take the hit, take a shorter one (whole chunks),
+or refuse; asynchronous loading when the load is long compared with an engine step, layer-pipelined otherwise.
+Everything here is a pure function of its arguments; the online estimates live in
+:mod:`range_connector.cost.estimators`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Action", "Decision", "LoadMode", "PrefillRate", "TierEstimate", "break_even_bandwidth_bytes_per_s",
+           "combine_shards", "decide", "layout_bytes_per_token", "load_time_s", "min_winning_prompt_tokens",
+           "pipelined_time_s", "recompute_time_s"]
+
+
+_TIE = 1e-9  # relative: a predicted saving this small is rounding, and recomputing is the safe side of a tie
+
+
+def _number(name: str, value: float, *, positive: bool = False, allow_inf: bool = False) -> float:
+    """``value`` as a float, or ValueError naming ``name`` (negative, NaN, or infinite when not allowed)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+    v = float(value) if ok else math.nan
+    if math.isnan(v) or v < 0 or (positive and v == 0) or (math.isinf(v) and not allow_inf):
+        sign = "positive" if positive else "non-negative"
+        raise ValueError(f"{name}: {value!r} is not a {sign}{'' if allow_inf else ' finite'} number")
+    return v
+
+
+def _tokens(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name}: {value!r} is not a non-negative integer number of tokens")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRate:
+    """Prefill time of a prompt's tokens, attention-aware.
+
+    Tokens ``[a, b)`` cost ``linear_s_per_token·(b - a) + attention_s_per_token2·(b² - a²)/2`` seconds: every token
+    pays a fixed amount of linear work and attention over its ``position`` predecessors. With
+    ``attention_s_per_token2 = 0`` this is the paper's constant rate ``R = 1/linear_s_per_token``.
+
+    Attributes:
+        linear_s_per_token: ``c1``, seconds per token (> 0).
+        attention_s_per_token2: ``c2``, seconds per token per token of context (>= 0).
+
+    Raises:
+        ValueError: a coefficient is negative, NaN or infinite (or ``c1`` is 0).
+    """
+
+    linear_s_per_token: float
+    attention_s_per_token2: float = 0.0
+
+    def __post_init__(self) -> None:
+        _number("linear_s_per_token", self.linear_s_per_token, positive=True)
+        _number("attention_s_per_token2", self.attention_s_per_token2)
+
+    @classmethod
+    def constant(cls, tokens_per_s: float) -> PrefillRate:
+        """The paper's model: ``R`` tokens/s whatever the context. Raises ValueError unless ``R`` > 0, finite."""
+        return cls(1.0 / _number("tokens_per_s", tokens_per_s, positive=True))
+
+    def time_s(self, start_tokens: int, end_tokens: int) -> float:
+        """Seconds to prefill prompt positions ``[start_tokens, end_tokens)`` (0 when empty)."""
+        a, b = _tokens("start_tokens", start_tokens), _tokens("end_tokens", end_tokens)
+        if b <= a:
+            return 0.0
+        return self.linear_s_per_token * (b - a) + self.attention_s_per_token2 * (b * b - a * a) / 2.0
+
+    def tokens_per_s(self, context_tokens: int = 0) -> float:
+        """Marginal prefill rate ``R(ctx) = 1/(c1 + c2·ctx)`` tokens/s at position ``context_tokens``."""
+        ctx = _tokens("context_tokens", context_tokens)
+        return 1.0 / (self.linear_s_per_token + self.attention_s_per_token2 * ctx)
+
+    def scaled(self, factor: float) -> PrefillRate:
+        """The same curve ``factor`` times slower (both coefficients multiplied)."""
+        f = _number("factor", factor, positive=True)
+        return PrefillRate(self.linear_s_per_token * f, self.attention_s_per_token2 * f)
+
+
+@dataclass(frozen=True, slots=True)
+class TierEstimate:
+    """A tier's delivered speed: a load of ``n`` bytes takes ``t0_s + n / bandwidth_bytes_per_s`` seconds.
+
+    Attributes:
+        bandwidth_bytes_per_s: ``B``, bytes/s (``0``: unusable; ``inf``: free transfer).
+        t0_s: ``T0``, fixed seconds per hit.
+    """
+
+    bandwidth_bytes_per_s: float
+    t0_s: float
+
+    def __post_init__(self) -> None:
+        _number("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, allow_inf=True)
+        _number("t0_s", self.t0_s)
+
+    def transfer_s(self, num_bytes: float) -> float:
+        """Seconds to move ``num_bytes`` at ``B`` (without ``T0``); ``inf`` when ``B`` is 0 and bytes > 0."""
+        if num_bytes <= 0:
+            return 0.0
+        return math.inf if self.bandwidth_bytes_per_s == 0 else num_bytes / self.bandwidth_bytes_per_s
+
+
+def layout_bytes_per_token(layer_block_bytes: int, num_layers: int, block_size: int) -> float:
+    """``s``: KV bytes of one token, every layer, every shard together.
+
+    Args:
+        layer_block_bytes: bytes of one block of one layer (all planes), from the registered layout.
+        num_layers: attention layers.
+        block_size: engine block size, tokens.
+
+    Raises:
+        ValueError: an argument is not positive.
+    """
+    for name, v in (("layer_block_bytes", layer_block_bytes), ("num_layers", num_layers), ("block_size", block_size)):
+        if _tokens(name, v) == 0:
+            raise ValueError(f"{name}: must be > 0")
+    return layer_block_bytes * num_layers / block_size
+
+
+def combine_shards(shards: Sequence[TierEstimate]) -> TierEstimate:
+    """The tier as one reader sees it when a hit is read from every shard in parallel.
+
+    Each of ``S`` shards holds ``1/S`` of a hit's bytes and the load ends when the last shard lands, so
+    ``max_i(T0_i + n/(S·B_i))`` is bounded above by ``max_i T0_i + n/(S·min_i B_i)``: this returns
+    ``TierEstimate(S·min_i B_i, max_i T0_i)`` (conservative).
+
+    Raises:
+        ValueError: no shards.
+    """
+    if not shards:
+        raise ValueError("shards: at least one shard estimate is needed")
+    return TierEstimate(len(shards) * min(s.bandwidth_bytes_per_s for s in shards), max(s.t0_s for s in shards))
+
+
+def load_time_s(hit_tokens: int, bytes_per_token: float, bandwidth_bytes_per_s: float, t0_s: float) -> float:
+    """Seconds to load a hit: ``T0 + h·s/B`` (arXiv 2610.21500; DESIGN.md §5).
+
+    Args:
+        hit_tokens: ``h``, tokens loaded; 0 means no load at all (0 s, no ``T0``).
+        bytes_per_token: ``s``, bytes.
+        bandwidth_bytes_per_s: ``B``, delivered bytes/s; 0 gives ``inf``, ``inf`` gives ``T0``.
+        t0_s: ``T0``, seconds.
+
+    Raises:
+        ValueError: an argument is negative or NaN (``s`` and ``T0`` must be finite).
+    """
+    h = _tokens("hit_tokens", hit_tokens)
+    s = _number("bytes_per_token", bytes_per_token)
+    tier = TierEstimate(bandwidth_bytes_per_s, t0_s)
+    return 0.0 if h == 0 else tier.t0_s + tier.transfer_s(h * s)
+
+
+def _as_rate(rate: float | PrefillRate) -> PrefillRate:
+    return rate if isinstance(rate, PrefillRate) else PrefillRate.constant(rate)
+
+
+def recompute_time_s(hit_tokens: int, context_tokens: int, rate: float | PrefillRate) -> float:
+    """Seconds to prefill the ``hit_tokens`` tokens after ``context_tokens`` already in the KV cache.
+
+    ``h/R`` for a constant ``R`` (arXiv 2610.21500); with a :class:`PrefillRate`, positions
+    ``[context_tokens, context_tokens + hit_tokens)`` at their own context length.
+
+    Args:
+        hit_tokens: tokens to prefill.
+        context_tokens: tokens before them (their attention context).
+        rate: ``R`` in tokens/s (> 0, finite) or a :class:`PrefillRate`.
+
+    Raises:
+        ValueError: a negative, NaN or infinite input, or ``R`` <= 0.
+    """
+    ctx = _tokens("context_tokens", context_tokens)
+    return _as_rate(rate).time_s(ctx, ctx + _tokens("hit_tokens", hit_tokens))
+
+
+def pipelined_time_s(t0_s: float, transfer_s: float, compute_s: float, num_layers: int) -> float:
+    """Seconds until the last layer is computed when loads overlap compute layer by layer (ours).
+
+    Layer ``l``'s transfer takes ``X/L``, its compute ``Y/L``; compute of layer ``l`` waits for its transfer and for
+    layer ``l - 1``. The makespan of this two-stage flow shop of ``L`` equal jobs is
+    ``x + y + (L - 1)·max(x, y) = max(X, Y) + min(X, Y)/L``, after the fixed ``T0``.
+
+    Args:
+        t0_s: ``T0``, seconds before the first layer's bytes flow.
+        transfer_s: ``X``, seconds to move every layer's bytes (``inf`` allowed).
+        compute_s: ``Y``, seconds of compute that needs the loaded KV (the uncached suffix, all layers).
+        num_layers: ``L`` >= 1.
+
+    Raises:
+        ValueError: a negative or NaN time, or ``num_layers`` < 1.
+    """
+    t0 = _number("t0_s", t0_s)
+    x, y = _number("transfer_s", transfer_s, allow_inf=True), _number("compute_s", compute_s)
+    if _tokens("num_layers", num_layers) < 1:
+        raise ValueError("num_layers: must be >= 1")
+    return t0 + max(x, y) + min(x, y) / num_layers
+
+
+def break_even_bandwidth_bytes_per_s(bytes_per_token: float, rate: float | PrefillRate,
+                                     context_tokens: int = 0) -> float:
+    """``B* = s·R``: below it, loading a token is slower than recomputing it, whatever ``T0`` (arXiv 2610.21500).
+
+    Args:
+        bytes_per_token: ``s``, bytes.
+        rate: ``R`` tokens/s or a :class:`PrefillRate` (then ``R`` at ``context_tokens``).
+        context_tokens: position at which ``R`` is taken.
+
+    Raises:
+        ValueError: negative, NaN or infinite inputs.
+    """
+    return _number("bytes_per_token", bytes_per_token) * _as_rate(rate).tokens_per_s(context_tokens)
+
+
+def min_winning_prompt_tokens(t0_s: float, rate: float | PrefillRate, bytes_per_token: float = 0.0,
+                              bandwidth_bytes_per_s: float = math.inf) -> int | None:
+    """Shortest hit ``h`` (from position 0) whose recompute takes longer than its load.
+
+    Solves ``c1·h + c2·h²/2 > T0 + h·s/B``. Constant ``R`` (``c2 = 0``): ``h > T0/(1/R - s/B)``, i.e. ``T0·R`` at
+    infinite bandwidth (arXiv 2610.21500: ~17k tokens). Otherwise the positive root of ``(c2/2)h² + (c1 - s/B)h -
+    T0``.
+
+    Args:
+        t0_s: ``T0``, seconds.
+        rate: ``R`` tokens/s or a :class:`PrefillRate`.
+        bytes_per_token: ``s``, bytes (0: transfer is free).
+        bandwidth_bytes_per_s: ``B`` (default infinite).
+
+    Returns:
+        The smallest winning integer ``h`` (>= 1), or ``None`` when no length wins (``B <= B*`` with a constant
+        rate, or ``B = 0``).
+
+    Raises:
+        ValueError: negative or NaN inputs.
+    """
+    t0 = _number("t0_s", t0_s)
+    r = _as_rate(rate)
+    per_token = TierEstimate(bandwidth_bytes_per_s, 0.0).transfer_s(_number("bytes_per_token", bytes_per_token))
+    if math.isinf(per_token):
+        return None
+    a, b = r.attention_s_per_token2 / 2.0, r.linear_s_per_token - per_token
+    if a == 0.0:
+        return None if b <= 0 else math.floor(t0 / b) + 1
+    root = (-b + math.sqrt(b * b + 4.0 * a * t0)) / (2.0 * a)
+    return max(1, math.floor(root) + 1)
+
+
+# ------------------------------------------------------------------------------------------------ decision
+class Action(enum.Enum):
+    """What the gate does with a hit."""
+
+    TAKE = "take"  # load everything offered
+    SHORTEN = "shorten"  # load a shorter, whole-chunk prefix
+    REFUSE = "refuse"  # load nothing (recompute)
+
+
+class LoadMode(enum.Enum):
+    """How a taken hit is loaded (DESIGN.md §4, "Load")."""
+
+    PIPELINED = "pipelined"  # ``(n, False)``: computed in the same step, layer ``l`` waits for layer ``l`` only
+    ASYNC = "async"  # ``(n, True)``: waits in WAITING_FOR_REMOTE_KVS while other requests run
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The gate's answer for one request.
+
+    Attributes:
+        action: take, shorten or refuse.
+        mode: load mode for the hit (meaningful when something is loaded).
+        hit_tokens: prompt positions ``[0, hit_tokens)`` in the KV cache after the load (``num_computed_tokens``
+            when refused).
+        num_new_tokens: tokens to load, ``hit_tokens - num_computed_tokens`` (what ``get_num_new_matched_tokens``
+            returns).
+        offered_tokens: tokens the tier offered beyond ``num_computed_tokens``.
+        load_s: predicted seconds of the load, ``T0 + h·s/B`` (of the offered hit when refused).
+        recompute_s: predicted seconds to prefill the same tokens instead.
+        with_load_s: predicted prefill seconds of the request's remaining prompt with the load, in ``mode``.
+        without_load_s: predicted prefill seconds of the remaining prompt without it.
+        is_probe: a short hit taken only to re-measure a refused tier.
+        reason: one line for logs.
+    """
+
+    action: Action
+    mode: LoadMode
+    hit_tokens: int
+    num_new_tokens: int
+    offered_tokens: int
+    load_s: float
+    recompute_s: float
+    with_load_s: float
+    without_load_s: float
+    is_probe: bool
+    reason: str
+
+    @property
+    def is_async(self) -> bool:
+        """The second value of ``get_num_new_matched_tokens``."""
+        return self.mode is LoadMode.ASYNC and self.num_new_tokens > 0
+
+    @property
+    def saving_s(self) -> float:
+        """Predicted seconds saved, ``without_load_s - with_load_s`` (negative or ``-inf`` for a loss)."""
+        return self.without_load_s - self.with_load_s
+
+
+def decide(prompt_tokens: int, num_computed_tokens: int, hit_tokens: int, *, bytes_per_token: float,
+           tier: TierEstimate, rate: float | PrefillRate, num_layers: int, block_size: int, chunk_tokens: int,
+           step_s: float, async_step_ratio: float = 1.0, min_saving_s: float = 0.0,
+           probe: bool = False) -> Decision:
+    """Decide whether, how much and how to load a request's hit.
+
+    The offered load covers positions ``[c, H)`` (``c = num_computed_tokens``, ``H = hit_tokens``). Mode: ASYNC
+    when the full load ``T0 + (H - c)·s/B`` exceeds ``async_step_ratio·step_s``, else PIPELINED. Each candidate
+    ``h'`` (``H`` and every multiple of ``chunk_tokens`` in ``(c, H)``) costs, with ``X = (h' - c)·s/B`` and
+    ``Y = C([h', prompt))`` the suffix compute:
+
+    * ASYNC: ``T0 + X + Y`` (the request waits for its load, then computes its suffix);
+    * PIPELINED: ``T0 + max(X, Y) + min(X, Y)/num_layers`` (:func:`pipelined_time_s`);
+
+    against ``C([c, prompt))`` without a load. The cheapest candidate is taken if it saves more than
+    ``min_saving_s`` (and more than rounding: a tie is refused); ``h' < H`` is a SHORTEN (this pays in pipelined mode when the tier is slower than compute:
+    load a prefix while the rest is computed). ``Y`` is concave in ``h'`` and ``X`` linear, so either cost is
+    concave on each side of the point where ``X`` overtakes ``Y``: only both ends and the two candidates around that
+    point are evaluated (found by bisection).
+    With ``probe`` a refusal becomes the shortest candidate, flagged ``is_probe``, so the tier is re-measured.
+
+    Args:
+        prompt_tokens: prompt length, tokens.
+        num_computed_tokens: tokens already in the engine's KV cache (local prefix cache).
+        hit_tokens: ``H``, the tier's stored prefix from position 0, a multiple of ``block_size``, at most
+            ``prompt_tokens - 1``.
+        bytes_per_token: ``s`` (:func:`layout_bytes_per_token`).
+        tier: ``B`` and ``T0`` (:func:`combine_shards` for several shards).
+        rate: ``R`` tokens/s or a :class:`PrefillRate`.
+        num_layers: attention layers (pipelining granularity).
+        block_size: engine block size, tokens.
+        chunk_tokens: reuse granularity, a multiple of ``block_size``.
+        step_s: typical engine step, seconds.
+        async_step_ratio: load-to-step ratio above which the load is asynchronous (``inf``: always pipelined).
+        min_saving_s: a hit must save more than this (hysteresis against noisy estimates).
+        probe: allow a probe when refusing.
+
+    Returns:
+        A frozen :class:`Decision`.
+
+    Raises:
+        ValueError: negative, NaN or inconsistent inputs (``hit_tokens`` not block-aligned or not below
+            ``prompt_tokens``, ``chunk_tokens`` not a multiple of ``block_size``), naming the argument.
+    """
+    n, c, big_h = (_tokens("prompt_tokens", prompt_tokens), _tokens("num_computed_tokens", num_computed_tokens),
+                   _tokens("hit_tokens", hit_tokens))
+    s = _number("bytes_per_token", bytes_per_token)
+    r = _as_rate(rate)
+    for name, value in (("block_size", block_size), ("chunk_tokens", chunk_tokens), ("num_layers", num_layers)):
+        if _tokens(name, value) < 1:
+            raise ValueError(f"{name}: must be >= 1")
+    if chunk_tokens % block_size:
+        raise ValueError(f"chunk_tokens: {chunk_tokens} is not a multiple of block_size {block_size}")
+    if big_h % block_size or (big_h > 0 and big_h >= n):
+        raise ValueError(f"hit_tokens: {big_h} is not a multiple of block_size {block_size} below prompt_tokens {n}")
+    step = _number("step_s", step_s)
+    ratio = _number("async_step_ratio", async_step_ratio, allow_inf=True)
+    margin = _number("min_saving_s", min_saving_s)
+    without = r.time_s(c, n)
+    offered = max(0, big_h - c)
+
+    def load_of(h: int) -> float:
+        return load_time_s(h - c, s, tier.bandwidth_bytes_per_s, tier.t0_s)
+
+    full_load = load_of(big_h) if offered else 0.0
+    mode = LoadMode.ASYNC if full_load > ratio * step else LoadMode.PIPELINED
+
+    def with_load(h: int) -> float:
+        x, y = tier.transfer_s((h - c) * s), r.time_s(h, n)
+        if mode is LoadMode.ASYNC:
+            return tier.t0_s + x + y
+        return pipelined_time_s(tier.t0_s, x, y, num_layers)
+
+    def result(action: Action, h: int, reason: str, is_probe: bool = False) -> Decision:
+        # A refusal reports the predictions of the offered hit: logs and metrics show what was declined.
+        shown, loads = (big_h, False) if action is Action.REFUSE else (h, True)
+        return Decision(action, mode, h if loads else c, h - c if loads else 0, offered,
+                        load_of(shown) if shown > c else 0.0, r.time_s(c, max(shown, c)),
+                        with_load(shown) if shown > c else without, without, is_probe, reason)
+
+    if offered == 0:
+        return result(Action.REFUSE, c, "nothing to load beyond the local prefix")
+    # Candidates: whole chunks first + i·chunk_tokens below H (i < num_short), then H itself (i = num_short).
+    first = (c // chunk_tokens + 1) * chunk_tokens
+    num_short = max(0, -(-(big_h - first) // chunk_tokens))
+
+    def candidate(i: int) -> int:
+        return first + i * chunk_tokens if i < num_short else big_h
+
+    # First candidate whose transfer is at least its suffix compute (X rises with h', Y falls): bisection.
+    lo, hi = 0, num_short
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tier.transfer_s((candidate(mid) - c) * s) >= r.time_s(candidate(mid), n):
+            hi = mid
+        else:
+            lo = mid + 1
+    # The cost is concave on each side of that point, so its minimum is at one of these four.
+    picks = {candidate(i) for i in (0, max(0, lo - 1), lo, num_short)}
+    best = min(sorted(picks), key=lambda h: (with_load(h), -h))
+    best_cost = with_load(best)
+    if best_cost + margin < without * (1 - _TIE):
+        action = Action.TAKE if best == big_h else Action.SHORTEN
+        what = "all" if action is Action.TAKE else f"{best - c} of {offered}"
+        return result(action, best, f"{mode.value}: loading {what} tokens saves {without - best_cost:.4g} s")
+    if probe:
+        shortest = candidate(0)
+        return result(Action.TAKE if shortest == big_h else Action.SHORTEN, shortest,
+                      f"probe: {shortest - c} tokens to re-measure a refused tier", is_probe=True)
+    if math.isinf(best_cost):
+        return result(Action.REFUSE, c, "tier delivers no bandwidth")
+    return result(Action.REFUSE, c, f"{mode.value}: {without:.4g} s without a load, {best_cost:.4g} s with the best "
+                                    f"one ({best - c} of {offered} tokens)")

@@ -1,0 +1,108 @@
+"""Small dataclasses that cross the scheduler/worker process boundary (no tensors).
+
+Scheduler -> worker: :class:`RangeConnectorMetadata` (what to load into which blocks, what to save from which
+blocks). Worker -> scheduler: :class:`RangeWorkerMetadata` (saves that completed, values that proved missing or
+corrupt, values the worker's DRAM tier evicted), aggregated across workers by vLLM.
+
+Plain dataclasses, no vLLM import: the connector hands them to vLLM inside its own carriers
+(:mod:`range_connector.connector`), so the halves and their tests run without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from range_connector.kv.namespace import ChunkHash
+from range_connector.kv.tickets import Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTransfer:
+    """One chunk of one request to load or save.
+
+    Attributes:
+        chunk_idx: position of the chunk in the request's chain.
+        chunk_hash: its prefix hash.
+        block_positions: positions (within the chunk, ``0 <= p < blocks_per_chunk``) of the blocks to move.
+        block_ids: engine block ids, one per position.
+        tickets: for loads, ``[num_shards]`` tickets (where each shard's slice lives); empty for saves.
+    """
+
+    chunk_idx: int
+    chunk_hash: ChunkHash
+    block_positions: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    tickets: tuple[Ticket, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTransfer:
+    """All chunks of one request to load (or save) in this step.
+
+    Attributes:
+        req_id: vLLM's request id.
+        chunks: chunk transfers in chain order.
+        num_tokens: tokens covered (for loads: the promised external tokens).
+        fail: report every block of this load as failed without reading (the scheduler could not plan it).
+        mode: for loads, who delivers them: ``"pipelined"`` (layer by layer as attention asks, in this step),
+            ``"async"`` (in the background; the request waits in ``WAITING_FOR_REMOTE_KVS``) or ``"sync"``
+            (all before the forward; for comparison only).
+        deadline_s: for loads the cost model planned, seconds the load may take: derived from its predicted time
+            and bounded by what recomputing the tokens would cost (``None``: the config's ``load_deadline_s``).
+    """
+
+    req_id: str
+    chunks: tuple[ChunkTransfer, ...]
+    num_tokens: int
+    fail: bool = False
+    mode: str = "pipelined"
+    deadline_s: float | None = None
+
+
+@dataclass
+class RangeConnectorMetadata:
+    """Scheduler -> worker metadata of one engine step."""
+
+    loads: list[RequestTransfer] = field(default_factory=list)
+    saves: list[RequestTransfer] = field(default_factory=list)
+    #: ``[num_shards]`` tickets of one stored chunk per probe of a refused tier (:mod:`range_connector.worker.probes`)
+    probes: list[tuple[Ticket, ...]] = field(default_factory=list)
+
+
+@dataclass
+class RangeWorkerMetadata:
+    """Worker -> scheduler metadata of one engine step.
+
+    Attributes:
+        saved: ``(chunk hash, [num_shards] tickets)`` of chunks whose every shard was written by this worker.
+        dropped: chunk hashes found corrupt on load, or evicted from a worker's DRAM tier.
+        loaded: requests whose load of this step finished (loaded or failed): their leases can go.
+        failed_loads: ``(req_id, chunk_idx)``: the request's load failed from that chunk on; those chunks are
+            recomputed and must be saved again.
+        load_timings: ``(req_ids, bytes per shard, seconds, complete)`` of each finished load job: from its start
+            until its last byte was in reach (``complete``), or until it ran out of its deadline with the planned
+            bytes (not ``complete``: a lower bound on the tier's time), for the cost model's estimates of ``B`` and
+            ``T0``.
+        probe_timings: ``(bytes per shard, seconds, complete)`` of each background probe of a refused tier.
+    """
+
+    saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = field(default_factory=list)
+    dropped: list[ChunkHash] = field(default_factory=list)
+    failed_loads: list[tuple[str, int]] = field(default_factory=list)
+    loaded: list[str] = field(default_factory=list)
+    load_timings: list[tuple[tuple[str, ...], int, float, bool]] = field(default_factory=list)
+    probe_timings: list[tuple[int, float, bool]] = field(default_factory=list)
+
+    def aggregate(self, other: RangeWorkerMetadata) -> RangeWorkerMetadata:
+        """This worker's report merged with another worker's (vLLM aggregates them across workers).
+
+        Raises:
+            TypeError: ``other`` is not a :class:`RangeWorkerMetadata`.
+        """
+        if not isinstance(other, RangeWorkerMetadata):
+            raise TypeError(f"cannot aggregate RangeWorkerMetadata with {type(other).__name__}")
+        return RangeWorkerMetadata(saved=self.saved + other.saved, dropped=self.dropped + other.dropped,
+                                   failed_loads=self.failed_loads + other.failed_loads,
+                                   loaded=sorted(set(self.loaded) | set(other.loaded)),
+                                   load_timings=self.load_timings + other.load_timings,
+                                   probe_timings=self.probe_timings + other.probe_timings)

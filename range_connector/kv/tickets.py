@@ -1,0 +1,112 @@
+"""Tickets: small metadata records that map a chunk of the prefix hash chain to physical extents in a stripe.
+
+One ticket per (chunk, shard): which stripe holds the shard's slice of the chunk, where inside it, and the checksum of
+those bytes in every layer. Lookup reads the tickets of a whole prompt in one batched request per shard (``MGET`` on
+Valkey: one command whatever the number of chunks); loads then read byte ranges of stripes, never one object per
+chunk. Tickets are msgpack (never pickle) and are checked against the registered layout before use: a ticket that
+does not fit is a miss (DESIGN.md §3.6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+from range_connector.kv.namespace import ChunkHash
+
+TICKET_VERSION = 1
+
+
+def ticket_key(chunk_hash: ChunkHash, shard_idx: int, tp_rank: int = 0) -> bytes:
+    """Key of the ticket of one shard's slice of one chunk."""
+    return b"rc2:t:%s:s%d:r%d" % (chunk_hash.hex().encode(), shard_idx, tp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """Where one shard's slice of one chunk lives.
+
+    A stripe stores, for every layer, one value ``[num_planes, stripe_blocks, row_bytes]``; this chunk's blocks are
+    ``[block_offset, block_offset + num_blocks)`` of every plane.
+
+    Attributes:
+        stripe_id: the stripe (hex string, unique per save batch and shard).
+        block_offset: first block of the chunk inside the stripe.
+        num_blocks: blocks of the chunk held by this shard.
+        stripe_blocks: blocks in the stripe (the per-plane stride is ``stripe_blocks * row_bytes`` bytes).
+        num_layers: layers in the stripe.
+        num_planes: planes per layer.
+        row_bytes: bytes of one block of one plane of one layer.
+        checksums: ``[num_layers]`` xxh3-64 of this chunk's bytes in each layer (planes in order).
+        stripe_checksums: ``[num_layers]`` xxh3-64 of each whole layer value of the stripe (empty if unknown): a
+            load that reads the whole stripe verifies it once per layer instead of once per chunk and layer.
+    """
+
+    stripe_id: str
+    block_offset: int
+    num_blocks: int
+    stripe_blocks: int
+    num_layers: int
+    num_planes: int
+    row_bytes: int
+    checksums: tuple[int, ...]
+    stripe_checksums: tuple[int, ...] = ()
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of the stripe's value for one layer."""
+        return self.num_planes * self.stripe_blocks * self.row_bytes
+
+    def plane_range(self, plane_idx: int) -> tuple[int, int]:
+        """``(offset, length)`` in bytes of this chunk's blocks of one plane inside a layer value."""
+        offset = (plane_idx * self.stripe_blocks + self.block_offset) * self.row_bytes
+        return offset, self.num_blocks * self.row_bytes
+
+    def encode(self) -> bytes:
+        """msgpack bytes."""
+        fields = [TICKET_VERSION, self.stripe_id, self.block_offset, self.num_blocks, self.stripe_blocks,
+                  self.num_layers, self.num_planes, self.row_bytes, list(self.checksums)]
+        if self.stripe_checksums:
+            fields.append(list(self.stripe_checksums))
+        return msgpack.packb(fields)
+
+    @classmethod
+    def decode(cls, raw: bytes | None, *, num_layers: int, layer_block_bytes: int, num_blocks: int) -> Ticket | None:
+        """Parse and bounds-check a ticket read from a tier.
+
+        Args:
+            raw: the bytes, or ``None`` for a miss.
+            num_layers: layers of the registered layout.
+            layer_block_bytes: bytes of one block of one layer (all planes), as registered.
+            num_blocks: blocks of a chunk on one shard.
+
+        Returns:
+            The ticket, or ``None`` if it is missing, malformed or does not match the layout (never raises).
+        """
+        if raw is None:
+            return None
+        try:
+            v = msgpack.unpackb(raw, use_list=True, strict_map_key=True)
+            if not isinstance(v, list) or len(v) not in (9, 10) or v[0] != TICKET_VERSION:
+                return None
+            _, stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, checksums = v[:9]
+            stripe_sums = v[9] if len(v) == 10 else []
+            ints = (block_offset, nb, stripe_blocks, nl, npl, rb)
+            if not isinstance(stripe_id, str) or not all(type(x) is int for x in ints):
+                return None
+            if (nl, npl * rb, nb) != (num_layers, layer_block_bytes, num_blocks) or npl < 1 or rb < 1:
+                return None
+            if block_offset < 0 or stripe_blocks <= 0 or block_offset + nb > stripe_blocks:
+                return None
+            for sums in (checksums, stripe_sums):
+                if sums is stripe_sums and not sums:
+                    continue
+                if (not isinstance(sums, list) or len(sums) != nl
+                        or not all(type(c) is int and 0 <= c < 1 << 64 for c in sums)):
+                    return None
+            if not stripe_id or len(stripe_id) > 64 or not stripe_id.isalnum():
+                return None
+            return cls(stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, tuple(checksums), tuple(stripe_sums))
+        except (ValueError, TypeError, msgpack.UnpackException):
+            return None

@@ -1,0 +1,393 @@
+"""Disaggregated-prefill proxy: an OpenAI-compatible HTTP front for prefill engines and decode engines.
+
+For each ``POST /v1/completions`` or ``POST /v1/chat/completions`` the proxy
+
+1. sends the request to a prefill engine (``kv_role = kv_producer``) with ``max_tokens = 1`` (chat: also
+   ``max_completion_tokens = 1``), ``stream = false``, no ``stream_options``/``min_tokens``, and
+   ``{"do_remote_decode": true}`` merged into ``kv_transfer_params``;
+2. reads the ``kv_transfer_params`` of the prefill response (vLLM's OpenAI server returns what the connector's
+   ``request_finished`` returned: Range's names the namespace, chain head and token count);
+3. sends the client's original request to a decode engine (``kv_role = kv_consumer``) with ``kv_transfer_params``
+   set to exactly what prefill returned, and passes decode's answer back unchanged (server-sent events byte for
+   byte when ``stream = true``).
+
+Both calls carry one ``X-Request-Id`` and the client's ``Authorization`` header. Other endpoints: ``GET /health``
+(200 while at least one prefill and one decode engine are healthy, else 503), ``GET /v1/models`` (forwarded to a
+decode engine) and ``GET /proxy/status`` (JSON: engines, health, in-flight and error counts, outcome counts).
+
+**Settings contract (checked before decode).** A Range producer's ``kv_transfer_params`` carry
+``{"range": {"settings": {...}}}``: a flat dict of every setting producer and consumer must share (model,
+block_size, chunk_tokens, KV layout, num_shards, namespace fingerprint). The proxy learns each decode engine's
+settings with a describe probe: ``POST /v1/completions`` with ``{"prompt": [0], "max_tokens": 1, "stream": false,
+"kv_transfer_params": {"range_describe": true}}`` (plus the client's ``model``), whose response's
+``kv_transfer_params`` carry ``{"range": {"settings": {...}}}`` too. It probes once per engine and again after the
+engine was down. A decode engine whose settings differ from the producer's is never sent the request; when no
+healthy decode engine matches, the client gets HTTP 409 naming each mismatched key with both values
+(``error.mismatches = {key: {"prefill": v, "decode": v}}``), and the proxy logs it. An engine that returns no
+``range`` settings (not a Range connector) is not checked; the proxy says so once per engine.
+
+**Errors** (OpenAI-style JSON bodies ``{"error": {"message", "type", "param", "code"}}``): 503 when no healthy
+engine of a kind exists; 502 when an engine fails (5xx, connection broken, unreadable answer); 504 when a phase
+times out; an engine's 4xx is passed through unchanged. A stream that has already started ends with an SSE event
+``data: {"error": {...}}`` and ``data: [DONE]``. An engine that refuses a connection is marked down and the
+request goes to the next healthy engine of its kind; health checks (``GET /health``) bring it back.
+
+**Timeouts.** ``prefill_timeout_s`` bounds the whole prefill call; ``decode_timeout_s`` bounds each silence of the
+decode engine (until its answer starts, and between two streamed chunks), so long generations are not cut;
+``connect_timeout_s`` bounds each connection attempt.
+
+Example::
+
+    range-connector proxy --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 --port 8000
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import signal
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from range_connector.errors import ConfigError
+from range_connector.serving.engines import (
+    Engine,
+    EngineKind,
+    EnginePool,
+    EngineUnavailableError,
+    Policy,
+    mismatched_settings,
+    settings_of,
+)
+from range_connector.serving.forwarding import Forwarder, Outcome, Reply, snippet
+
+__all__ = ["Outcome", "Policy", "ProxyConfig", "ProxyServer", "serve_proxy"]
+
+logger = logging.getLogger(__name__)
+
+_CLIENT_MAX_BODY_BYTES = 64 * 1024 * 1024
+_KEEPALIVE_S = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Settings of one proxy; checked on construction.
+
+    Attributes:
+        prefill_urls: Base URLs (``http://host:port``) of the prefill engines; at least one.
+        decode_urls: Base URLs of the decode engines; at least one.
+        host: Interface to listen on.
+        port: TCP port to listen on (0: any free port, see :attr:`ProxyServer.port`).
+        policy: Round robin or least loaded (fewest in flight).
+        prefill_timeout_s: Deadline of the whole prefill call (and of a describe probe), seconds.
+        decode_timeout_s: Longest silence of a decode engine (before its answer starts, between chunks), seconds.
+        connect_timeout_s: Deadline of one connection attempt, seconds.
+        health_interval_s: Seconds between two health checks of every engine.
+        health_timeout_s: Deadline of one health check, seconds.
+
+    Raises:
+        ConfigError: A URL list is empty or holds a bad or repeated URL, a timeout is not positive, or the port is
+            out of range; the message starts with the field name.
+    """
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: Policy = Policy.ROUND_ROBIN
+    prefill_timeout_s: float = 300.0
+    decode_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for key in ("prefill_urls", "decode_urls"):
+            urls = getattr(self, key)
+            if not urls:
+                raise ConfigError(key, "give at least one engine URL")
+            for url in urls:
+                parsed = URL(url) if isinstance(url, str) else None
+                if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+                    raise ConfigError(key, f"{url!r} is not an http://host:port URL")
+            if len({url.rstrip("/") for url in urls}) != len(urls):
+                raise ConfigError(key, f"an engine URL is given twice: {list(urls)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"{self.port} is not a TCP port (0-65535)")
+        for key in ("prefill_timeout_s", "decode_timeout_s", "connect_timeout_s", "health_interval_s",
+                    "health_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, f"{getattr(self, key)} is not a positive number of seconds")
+
+def _prefill_body(body: Mapping[str, Any], is_chat: bool,
+                  expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    prefill = {key: value for key, value in body.items() if key not in ("stream_options", "min_tokens")}
+    prefill["max_tokens"] = 1
+    if is_chat:
+        prefill["max_completion_tokens"] = 1
+    prefill["stream"] = False
+    client_params = body.get("kv_transfer_params")
+    prefill["kv_transfer_params"] = {**(client_params if isinstance(client_params, Mapping) else {}),
+                                     "do_remote_decode": True}
+    if expect:  # a decode engine's settings: the producer logs a mismatch too
+        prefill["kv_transfer_params"]["range_expect"] = dict(expect)
+    return prefill
+
+
+class ProxyServer:
+    """The proxy on an aiohttp server; runs on the event loop that calls :meth:`start`.
+
+    Args:
+        config: Engines, address, policy and timeouts.
+    """
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.pool = EnginePool(config.prefill_urls, config.decode_urls, config.policy)
+        self.outcomes: collections.Counter[Outcome] = collections.Counter()
+        self._session: aiohttp.ClientSession | None = None
+        self._forwarder: Forwarder | None = None
+        self._runner: web.AppRunner | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._said_no_params: set[str] = set()
+        self.port = config.port
+
+    @property
+    def _forward(self) -> Forwarder:
+        if self._forwarder is None:
+            raise RuntimeError("ProxyServer.start() was not called")
+        return self._forwarder
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` of the running proxy."""
+        return f"http://{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Check every engine's health once, start the periodic checks, and listen.
+
+        Raises:
+            OSError: The address cannot be bound.
+        """
+        # No connection cap: the engines' own queues bound the load. Idle connections are dropped before vLLM's
+        # server drops them (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so that a request never meets a closing connection.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=_KEEPALIVE_S))
+        self._forwarder = Forwarder(self._session, self.pool, self.outcomes, {
+            EngineKind.PREFILL: self.config.prefill_timeout_s, EngineKind.DECODE: self.config.decode_timeout_s})
+        await self.pool.check_health(self._session, self.config.health_timeout_s)
+        self._health_task = asyncio.create_task(self.pool.run_health_checks(
+            self._session, self.config.health_interval_s, self.config.health_timeout_s))
+        app = web.Application(client_max_size=_CLIENT_MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/proxy/status", self._status)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        try:
+            await site.start()
+        except OSError:
+            await self.stop()
+            raise
+        self.port = self._runner.addresses[0][1]
+        logger.info("proxy listening on %s: prefill %s, decode %s, policy %s", self.base_url,
+                    list(self.config.prefill_urls), list(self.config.decode_urls), self.config.policy.value)
+
+    async def stop(self) -> None:
+        """Stop listening, stop the health checks, close the client session (in-flight requests are cut)."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Handlers
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/completions", is_chat=False)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "/v1/chat/completions", is_chat=True)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        missing = [kind.value for kind in EngineKind
+                   if not any(engine.healthy for engine in self.pool.engines[kind])]
+        if missing:
+            return Reply(Outcome.NO_ENGINE, 503, f"no healthy {' or '.join(missing)} engine").response()
+        return web.json_response({"status": "ok"})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "policy": self.config.policy.value,
+            "num_in_flight": sum(engine.num_in_flight for engine in self.pool.all_engines()),
+            "outcomes": {outcome.value: self.outcomes[outcome] for outcome in Outcome},
+            "engines": [engine.status() for engine in self.pool.all_engines()],
+        })
+
+    async def _models(self, request: web.Request) -> web.Response:
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
+        try:
+            call = self._forward.call(EngineKind.DECODE, self.pool.ranked(EngineKind.DECODE), "GET", "/v1/models",
+                                      None, self._headers(request, None), timeout)
+            async with call as (_, response):
+                data = await response.read()
+                return web.Response(status=response.status, body=data,
+                                    headers={"Content-Type": response.headers.get("Content-Type", "application/json")})
+        except Reply as reply:
+            return reply.response()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Prefill, then decode
+
+    async def _generate(self, request: web.Request, path: str, *, is_chat: bool) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id") or f"proxy-{uuid.uuid4().hex}"
+        try:
+            try:
+                body = await request.json()
+            except ValueError as exc:
+                raise Reply(Outcome.BAD_REQUEST, 400, f"request body is not JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise Reply(Outcome.BAD_REQUEST, 400, "request body must be a JSON object")
+            if not any(engine.healthy for engine in self.pool.engines[EngineKind.DECODE]):
+                raise Reply(Outcome.NO_ENGINE, 503, "no healthy decode engine")  # do not prefill in vain
+            headers = self._headers(request, request_id)
+            params, prefill_engine = await self._prefill(body, path, is_chat, headers)
+            candidates = await self._decode_candidates(params, prefill_engine, body.get("model"), headers, request_id)
+            decode_body = {**body, "kv_transfer_params": params} if params is not None else body
+            return await self._decode(request, decode_body, path, candidates, headers)
+        except Reply as reply:
+            self.outcomes[reply.outcome] += 1
+            if reply.status >= 500 or reply.status == 409:
+                logger.warning("request %s: HTTP %d: %s", request_id, reply.status, reply.message)
+            return reply.response()
+
+    @staticmethod
+    def _headers(request: web.Request, request_id: str | None) -> dict[str, str]:
+        headers = {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        return headers
+
+    def _known_decode_settings(self) -> dict[str, Any] | None:
+        """Range settings of the first healthy decode engine that has described itself, if any."""
+        for engine in self.pool.engines[EngineKind.DECODE]:
+            if engine.healthy and engine.settings:
+                return engine.settings
+        return None
+
+    async def _prefill(self, body: dict[str, Any], path: str, is_chat: bool,
+                       headers: dict[str, str]) -> tuple[dict[str, Any] | None, Engine]:
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
+        call = self._forward.call(EngineKind.PREFILL, self.pool.ranked(EngineKind.PREFILL), "POST", path,
+                                  _prefill_body(body, is_chat, self._known_decode_settings()), headers, timeout)
+        async with call as (engine, response):
+            data = await self._forward.read_answer(engine, response)
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            engine.record_error("answer is not JSON")
+            raise Reply(Outcome.ENGINE_FAILED, 502, f"prefill engine {engine.url} answered with a body that is not "
+                        f"JSON: {snippet(data)}") from None
+        params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+        if not isinstance(params, dict):
+            if engine.url not in self._said_no_params:
+                self._said_no_params.add(engine.url)
+                logger.warning("prefill engine %s returned no kv_transfer_params (is it a kv_producer?); "
+                               "decode engines will compute the whole prompt", engine.url)
+            return None, engine
+        return params, engine
+
+    async def _decode_candidates(self, params: dict[str, Any] | None, prefill_engine: Engine, model: Any,
+                                 headers: dict[str, str], request_id: str) -> list[Engine]:
+        candidates = self.pool.ranked(EngineKind.DECODE)
+        producer = settings_of(params)
+        if producer is None:
+            if params is not None and not prefill_engine.said_no_settings:
+                prefill_engine.said_no_settings = True
+                logger.warning("prefill engine %s returned no Range settings (not a Range connector?); "
+                               "prefill/decode compatibility is not checked", prefill_engine.url)
+            return candidates
+        probes = await asyncio.gather(*(
+            self.pool.describe(self._forward.session, engine, model=model if isinstance(model, str) else None,
+                               headers=headers, timeout_s=self.config.prefill_timeout_s)
+            for engine in candidates), return_exceptions=True)
+        compatible: list[Engine] = []
+        refused: list[tuple[Engine, dict[str, dict[str, Any]]]] = []
+        for engine, settings in zip(candidates, probes, strict=True):
+            if isinstance(settings, EngineUnavailableError):
+                continue
+            if isinstance(settings, BaseException):
+                raise settings
+            mismatches = mismatched_settings(producer, settings) if settings is not None else {}
+            if mismatches:
+                refused.append((engine, mismatches))
+            else:
+                compatible.append(engine)
+        for engine, mismatches in refused:
+            logger.warning("request %s: decode engine %s does not match prefill engine %s: %s", request_id,
+                           engine.url, prefill_engine.url, _describe_mismatches(mismatches))
+        if not compatible and refused:
+            engine, mismatches = refused[0]
+            raise Reply(Outcome.SETTINGS_MISMATCH, 409,
+                        f"prefill engine {prefill_engine.url} and decode engine {engine.url} have different Range "
+                        f"settings: {_describe_mismatches(mismatches)}",
+                        extra={"mismatches": mismatches, "prefill_url": prefill_engine.url,
+                                "decode_url": engine.url})
+        return compatible
+
+    async def _decode(self, request: web.Request, body: dict[str, Any], path: str, candidates: list[Engine],
+                      headers: dict[str, str]) -> web.StreamResponse:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.decode_timeout_s)
+        call = self._forward.call(EngineKind.DECODE, candidates, "POST", path, body, headers, timeout)
+        async with call as (engine, response):
+            if not body.get("stream") or response.status >= 400:
+                data = await self._forward.read_answer(engine, response)
+                self.outcomes[Outcome.OK] += 1
+                return web.Response(status=response.status, body=data,
+                                    headers={"Content-Type": response.headers.get("Content-Type", "application/json")})
+            out = web.StreamResponse(status=response.status, headers={
+                "Content-Type": response.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            await self._forward.pass_stream(engine, response, out)
+            return out
+
+
+def _describe_mismatches(mismatches: Mapping[str, Mapping[str, Any]]) -> str:
+    return "; ".join(f"{key}: prefill {json.dumps(values['prefill'])}, decode {json.dumps(values['decode'])}"
+                     for key, values in mismatches.items())
+
+
+async def serve_proxy(config: ProxyConfig, stop_event: asyncio.Event | None = None) -> None:
+    """Run the proxy until SIGINT/SIGTERM (or until ``stop_event`` is set), then stop it.
+
+    Raises:
+        OSError: The address cannot be bound.
+    """
+    stop_event = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop_event.set)
+    server = ProxyServer(config)
+    await server.start()
+    print(f"proxy listening on {server.base_url}", flush=True)
+    try:
+        await stop_event.wait()
+    finally:
+        await server.stop()

@@ -1,0 +1,129 @@
+"""Transfer banks: a fixed set of staging buffers between a tier and the KV cache.
+
+A load is cut into layer groups. For each group a reader thread (the banks' single owner of I/O) takes a free bank,
+fills it with one batched ranged read per shard, and completes it; the consumer then verifies and copies each layer
+of the group into the KV cache and releases the bank. At most ``num_banks`` banks exist, so a load of any size uses
+bounded staging memory, reads of group ``g + 1`` overlap the copies of group ``g``, and each layer can be handed to
+attention as soon as its bank has completed and been copied.
+
+Completion is a ``concurrent.futures.Future`` on CPU. On CUDA, banks are pinned host memory and the consumer's copy
+runs on a dedicated copy stream, ending with a CUDA event that attention waits on (``tests/gpu``).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from range_connector.errors import BackendTimeoutError
+
+
+@dataclass
+class TransferBank:
+    """One staging buffer.
+
+    Attributes:
+        buffer: ``[capacity_bytes]`` uint8 tensor (pinned host memory when the KV cache is on CUDA).
+        done: completes (with ``None``) when the bank is filled, or with the exception that stopped the fill.
+    """
+
+    buffer: torch.Tensor
+    done: Future = field(default_factory=Future)
+    abandoned: bool = False
+
+
+class BankPool:
+    """A fixed number of reusable staging buffers.
+
+    Args:
+        num_banks: how many banks may exist at once (>= 1).
+        pin_memory: allocate pinned host memory (for CUDA copies).
+    """
+
+    def __init__(self, num_banks: int, *, pin_memory: bool = False) -> None:
+        if num_banks < 1:
+            raise ValueError(f"num_banks must be >= 1, got {num_banks}")
+        self.num_banks = num_banks
+        self.pin_memory = pin_memory
+        self._free: list[torch.Tensor] = []
+        self._slots = threading.Semaphore(num_banks)
+        self._lock = threading.Lock()
+        #: buffers allocated so far (a new one only when none free is large enough).
+        self.allocations = 0
+        self.in_use = 0
+
+    def acquire(self, nbytes: int, timeout_s: float) -> TransferBank:
+        """Take a free bank of at least ``nbytes`` bytes, waiting up to ``timeout_s`` for one to be released.
+
+        Raises:
+            BackendTimeoutError: no bank was released in time.
+        """
+        if not self._slots.acquire(timeout=max(0.0, timeout_s)):
+            raise BackendTimeoutError(f"no transfer bank free within {timeout_s:.3f} s")
+        try:
+            with self._lock:
+                # (by position: ``list.remove`` would compare tensors with ``==``, elementwise)
+                fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+                if fits:
+                    buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                else:
+                    if self._free:  # drop the largest too-small one: the pool never holds more than num_banks
+                        self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+                    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+                    self.allocations += 1
+                self.in_use += 1
+        except BaseException:
+            self._slots.release()  # (an allocation that failed must not cost a slot for ever)
+            raise
+        return TransferBank(buf)
+
+    def release(self, bank: TransferBank) -> None:
+        """Give a bank back (idempotent per bank)."""
+        with self._lock:
+            if bank.buffer.numel() == 0:
+                return
+            self._free.append(bank.buffer)
+            bank.buffer = torch.empty(0, dtype=torch.uint8)
+            self.in_use -= 1
+        self._slots.release()
+
+
+class BankReader:
+    """The single thread that fills banks (one per worker), in submission order; it also runs the direct receives
+    that need no bank (:mod:`range_connector.worker.direct_receive`)."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-bank-reader")
+
+    def submit(self, pool: BankPool, nbytes: int, fill, timeout_s: float) -> TransferBank:
+        """Queue ``fill(buffer)`` for a bank of ``nbytes``; return the bank whose ``done`` future completes.
+
+        If the consumer abandons the bank (deadline passed) before the fill ends, the reader releases it itself.
+        """
+        bank = TransferBank(torch.empty(0, dtype=torch.uint8))
+
+        def run() -> None:
+            try:
+                got = pool.acquire(nbytes, timeout_s)
+                bank.buffer = got.buffer
+                fill(bank.buffer[:nbytes])
+                bank.done.set_result(None)
+            except BaseException as exc:  # handed to the consumer through the future
+                bank.done.set_exception(exc)
+            if bank.abandoned:
+                pool.release(bank)
+
+        self._executor.submit(run)
+        return bank
+
+    def submit_task(self, fn) -> Future:
+        """Queue ``fn()`` behind the fills already queued (a direct receive into the KV cache, which needs no bank);
+        the returned future completes with its result or exception."""
+        return self._executor.submit(fn)
+
+    def close(self) -> None:
+        """Stop accepting work (queued fills still run)."""
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,99 @@
+"""What a load job may use of its worker, frozen when the KV cache is registered.
+
+:class:`LoadContext` is built once by :meth:`range_connector.worker.facade.RangeWorker.register_kv_caches` and
+handed to every :class:`~range_connector.worker.loads.LoadJob`; the job reaches nothing else of the worker. It owns
+the KV cache's row views (and, on CUDA, the copy stream), so reads of the layout, ticket checks and batched copies
+into the KV cache live here. The mutable parts it shares with the worker are the counters (``stats``), the per-layer
+copy events and the callback that forgets a bad chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from range_connector.backends.base import Backend
+from range_connector.config import RangeConfig
+from range_connector.kv.layout import KVLayout
+from range_connector.kv.namespace import ChunkHash
+from range_connector.kv.sharding import ShardPlan
+from range_connector.kv.tickets import Ticket
+from range_connector.worker.banks import BankPool, BankReader
+
+
+@dataclass(frozen=True, eq=False)
+class LoadContext:
+    """The worker's KV cache, backends, threads and counters, as load jobs use them.
+
+    Attributes:
+        config: the worker's config (``verify_checksums``, ``bank_bytes``, ``num_banks``, ``backend_timeout_s``).
+        layout: the registered KV layout (planes per layer, bytes per block row, row dtype).
+        layer_names: ``[num_layers]`` in forward order.
+        plan: the shard plan of this worker's chunks.
+        backends: ``[num_shards]`` this worker's backends.
+        rows: ``[num_layers * num_planes]`` views ``[num_blocks, row_bytes / itemsize]`` of the KV cache, layer-major.
+        banks: the transfer banks.
+        reader: the thread that fills banks (and direct receives) in order.
+        verifier: the thread that checks lent stripes' checksums.
+        shard_readers: reads the shards of one layer group in parallel (one server each).
+        stats: the worker's counters (shared, mutated by jobs).
+        layer_events: CUDA only: ``layer_name -> event`` of a pipelined copy (shared, filled by jobs).
+        drop: forgets a chunk whose bytes proved bad or gone on a shard: ``drop(chunk_hash, shard_idx)``.
+        copy_stream: CUDA only: the stream that copies banks into the KV cache.
+    """
+
+    config: RangeConfig
+    layout: KVLayout
+    layer_names: tuple[str, ...]
+    plan: ShardPlan
+    backends: Sequence[Backend]
+    rows: Sequence[torch.Tensor]
+    banks: BankPool
+    reader: BankReader
+    verifier: ThreadPoolExecutor
+    shard_readers: ThreadPoolExecutor
+    stats: MutableMapping[str, int]
+    layer_events: MutableMapping[str, object]
+    drop: Callable[[ChunkHash, int], None]
+    copy_stream: object | None = None
+
+    def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
+        """``[num_blocks, row]`` view of one plane of one layer of the KV cache."""
+        return self.rows[layer_idx * self.layout.num_planes + plane_idx]
+
+    def ticket_fits(self, t: Ticket) -> bool:
+        """The ticket describes stripes of the registered layout."""
+        layout = self.layout
+        return (t.num_planes, t.row_bytes, t.num_layers, t.num_blocks) == (
+            layout.num_planes, layout.row_bytes, len(self.layer_names), self.plan.blocks_per_shard)
+
+    def copy_rows(self, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
+                  src: slice | torch.Tensor) -> object | None:
+        """``dst_rows[dst] = src_rows[src]`` as one batched index copy; returns the CUDA event of the copy.
+
+        When the source rows are one run (the usual case: a chunk's blocks are consecutive in its stripe, and a
+        bank holds segments back to back) the source is a view and the copy is the only pass over the bytes;
+        otherwise the rows are gathered first. On CUDA the source is staged to the device on the copy stream.
+
+        Args:
+            dst_rows: ``[num_blocks, row]`` KV rows of one (layer, plane).
+            dst: ``[n]`` destination block ids (int64).
+            src_rows: ``[num_src_rows, row]`` source rows (a bank or a lent stripe), same dtype and row width.
+            src: a slice or ``[n]`` row indices into ``src_rows``.
+        """
+        picked = src_rows[src] if isinstance(src, slice) else src_rows.index_select(0, src)
+        if not dst_rows.is_cuda:
+            dst_rows.index_copy_(0, dst, picked)
+            return None
+        stream = self.copy_stream
+        assert stream is not None
+        with torch.cuda.stream(stream):
+            device = dst_rows.device
+            staged = picked.to(device, non_blocking=True)  # from pinned host memory
+            dst_rows.index_copy_(0, dst.to(device, non_blocking=True), staged)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event

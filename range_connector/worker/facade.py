@@ -1,0 +1,509 @@
+"""Worker side: load promised chunks into the destination blocks, save new full chunks, report load errors.
+
+Runs in each vLLM worker process, next to the KV tensors. Loads are load jobs (:mod:`range_connector.worker.loads`):
+layer group by layer group through the transfer banks (:mod:`range_connector.worker.banks`), or straight from stripes
+that the in-process DRAM tier lends. The step's pipelined loads are delivered layer by layer as attention asks
+(``wait_for_layer_load``); asynchronous loads by a background thread while the engine runs other requests, and
+reported through ``get_finished``. A step's saves become, per shard, one stripe write, inside ``wait_for_save``
+(after the forward, from blocks the step owns: preemption and block reuse cannot mix foreign KV into a stripe).
+The number of round trips, reads and copies follows shards, stripes, layers and bytes, never chunks (DESIGN.md §3.1).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import torch
+import xxhash
+
+from range_connector.backends.base import Backend, StripeWrite
+from range_connector.config import RangeConfig
+from range_connector.errors import BackendError
+from range_connector.kv.layout import KVLayout, block_rows
+from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
+from range_connector.kv.namespace import ChunkHash
+from range_connector.kv.sharding import ShardPlan
+from range_connector.kv.stripes import (
+    chunk_checksum,
+    chunk_groups,
+    gather_layer,
+    new_stripe_id,
+)
+from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.worker.banks import BankPool, BankReader
+from range_connector.worker.context import LoadContext
+from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
+from range_connector.worker.probes import probe_chunk
+
+logger = logging.getLogger("vllm." + __name__)
+
+#: how long ``get_finished`` lets asynchronous loads run before it looks at them (seconds, once per step)
+_ASYNC_POLL_S = 0.002
+
+
+class RangeWorker:
+    """Worker half of the connector.
+
+    Args:
+        config: resolved config.
+        block_size: engine block size in tokens.
+        layer_names: attention layers served, in model order.
+        num_blocks: blocks per layer tensor.
+        backends: ``[num_shards]`` backends.
+        tp_rank: tensor-parallel rank (part of every ticket key).
+        shard_idxs: ``[len(backends)]`` the global shard index of each backend, used in ticket keys (a PCP rank's
+            worker serves shards ``r, r + P, ...``: :class:`~range_connector.kv.sharding.RankSlice`); default
+            ``0 .. len(backends) - 1``.
+    """
+
+    def __init__(self, config: RangeConfig, block_size: int, layer_names: tuple[str, ...], num_blocks: int,
+                 backends: list[Backend], tp_rank: int = 0, shard_idxs: tuple[int, ...] | None = None) -> None:
+        assert config.chunk_tokens is not None
+        self.config = config
+        self.block_size = block_size
+        self.layer_names = layer_names
+        self.num_blocks = num_blocks
+        self.plan = ShardPlan(config.chunk_tokens // block_size, config.num_shards)
+        self.backends = backends
+        self.tp_rank = tp_rank
+        self.shard_idxs = tuple(range(len(backends))) if shard_idxs is None else tuple(shard_idxs)
+        if len(self.shard_idxs) != len(backends):
+            raise ValueError(f"shard_idxs {self.shard_idxs} does not name one shard per backend ({len(backends)})")
+        self.layout: KVLayout | None = None
+        #: what load jobs use of this worker (built by register_kv_caches)
+        self.load_context: LoadContext | None = None
+        self._rows: list[torch.Tensor] = []
+        self._layer_index = {name: i for i, name in enumerate(layer_names)}
+        #: transfer banks, their reader thread, and the helper thread that verifies lent stripes (used by LoadJob)
+        self.banks = BankPool(config.num_banks)
+        self.reader = BankReader()
+        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-verify")
+        self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-async-load")
+        #: reads the shards of one bank fill at the same time (each shard is its own server)
+        self.shard_readers = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="range-shard")
+        #: background probes of a refused tier (:mod:`range_connector.worker.probes`), one at a time
+        self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-probe")
+        self._probe_timings: list[tuple[int, float, bool]] = []  # appended by the prober thread
+        self._copy_stream = None  # CUDA only: the stream that copies banks into the KV cache
+        #: CUDA only: layer -> event of its pipelined load copy (attention's stream waits on it)
+        self.layer_events: dict[str, object] = {}
+        #: deliver pipelined loads before the forward (attention does not call wait_for_layer_load)
+        self.deliver_before_forward = False
+        self._warned_unwaited = False
+        self._step_job: LoadJob | None = None
+        self._async_jobs: dict[str, tuple[LoadJob, Future]] = {}
+        #: per finished load job: mode and per-layer timestamps (ready, delivered, waited for by attention)
+        self.load_timelines: list[dict] = []
+        self._failed_block_ids: set[int] = set()
+        self._save_down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
+        self._saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = []  # (appended by the saver thread too)
+        #: save_mode "async": the thread that writes gathered stripes, its futures, and the bytes not yet written
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-save")
+        self._pending_saves: weakref.WeakSet[Future] = weakref.WeakSet()
+        self._save_lock = threading.Lock()
+        self._save_backlog_bytes = 0
+        self._dropped: list[ChunkHash] = []
+        self._loaded_reqs: list[str] = []
+        # req_id -> first chunk whose load failed in this step: the forward computes on top of it, so nothing from
+        # there on may be saved in this step (vLLM recomputes those blocks and they are saved then).
+        self._failed_from_chunk: dict[str, int] = {}
+        self._failed_loads: list[tuple[str, int]] = []
+        self._load_timings: list[tuple[tuple[str, ...], int, float, bool]] = []
+        #: block ids written by loads since :meth:`take_loaded_block_log` last ran (for inspection and tests).
+        self.loaded_block_log: list[int] = []
+        #: ``(shard_idx, ticket key)`` of the chunks that step read.
+        self.last_loaded_tickets: list[tuple[int, bytes]] = []
+        self.stats: dict[str, int] = defaultdict(int)
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """View the engine's KV tensors as rows (see :func:`range_connector.kv.layout.block_rows`)."""
+        self.layout, self._rows = block_rows(kv_caches, self.layer_names, self.num_blocks)
+        if self._rows and self._rows[0].is_cuda:  # pinned staging and a copy stream of our own
+            self.banks = BankPool(self.config.num_banks, pin_memory=True)
+            self._copy_stream = torch.cuda.Stream(device=self._rows[0].device)
+        self.load_context = LoadContext(
+            config=self.config, layout=self.layout, layer_names=self.layer_names, plan=self.plan,
+            backends=self.backends, rows=self._rows, banks=self.banks, reader=self.reader, verifier=self.verifier,
+            shard_readers=self.shard_readers, stats=self.stats, layer_events=self.layer_events, drop=self.drop,
+            copy_stream=self._copy_stream)
+        logger.info("Range worker: %d layers x %d planes, %d bytes per block row, %d blocks",
+                    len(self.layer_names), self.layout.num_planes, self.layout.row_bytes, self.num_blocks)
+
+    def _layer_block_bytes(self) -> int:
+        assert self.layout is not None
+        return self.layout.num_planes * self.layout.row_bytes
+
+    # ---------------------------------------------------------------- loads
+    def start_load(self, meta: RangeConnectorMetadata) -> None:
+        """Start this step's loads, within ``load_deadline_s`` (each request's ``mode`` says who delivers).
+
+        Pipelined and synchronous loads form the step's job: synchronous ones (and every load when layers cannot
+        be handed to attention one by one) are delivered here, pipelined ones by :meth:`wait_for_layer`.
+        Asynchronous loads get a job each, delivered by a background thread and reported by
+        :meth:`get_finished`. Blocks whose bytes are missing, corrupt, late or unreadable are reported through
+        :meth:`take_failed_block_ids` (vLLM recomputes them). Never raises for a tier failure.
+        """
+        self._finish_step_job()
+        self._failed_from_chunk = {}
+        if meta.probes and self.tp_rank == 0:  # (the scheduler's tickets are rank 0's)
+            for tickets in meta.probes:
+                self._prober.submit(self._probe, tickets)
+        if not meta.loads or self.layout is None:
+            return
+        now = time.monotonic()
+        self.last_loaded_tickets = []
+        step = [r for r in meta.loads if r.mode != ASYNC]
+        for req in meta.loads:
+            if req.mode == ASYNC:
+                job = LoadJob(self.load_context, [req], now + self._deadline_s([req]), ASYNC)
+                job.start()
+                self._async_jobs[req.req_id] = (job, self._async_loader.submit(self._deliver_async, job))
+        if step:
+            sync = any(r.mode == SYNC for r in step) or self.deliver_before_forward or self.config.load_mode == SYNC
+            job = LoadJob(self.load_context, step, now + self._deadline_s(step), SYNC if sync else PIPELINED)
+            job.start()
+            self._step_job = job
+            if sync:
+                job.deliver_through(len(self.layer_names) - 1)
+
+    def _probe(self, tickets: tuple[Ticket, ...]) -> None:
+        if not all(self.load_context.ticket_fits(t) for t in tickets):
+            return
+        timing = probe_chunk(self.backends, tickets, self.shard_readers)
+        self.stats["probes"] += 1
+        if timing is not None:
+            self._probe_timings.append(timing)  # (list.append is atomic; drained by build_worker_meta)
+
+    def _deadline_s(self, reqs: list[RequestTransfer]) -> float:
+        """Seconds the loads may take: the longest deadline the cost model gave them, else ``load_deadline_s``."""
+        planned = [r.deadline_s for r in reqs if r.deadline_s is not None]
+        return min(self.config.load_deadline_s, max(planned)) if len(planned) == len(reqs) else \
+            self.config.load_deadline_s
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Return when this layer's loaded blocks of the step have landed (or failed: then they are reported).
+
+        Pipelined loads deliver the layer groups up to this layer here; on CUDA the current stream then waits for
+        the layer's copy event."""
+        job = self._step_job
+        layer_idx = self._layer_index.get(layer_name)
+        if job is not None and layer_idx is not None and not job.finished:
+            if job.layer_waited_s[layer_idx] is None:
+                job.layer_waited_s[layer_idx] = time.monotonic()
+            job.deliver_through(layer_idx)
+        event = self.layer_events.pop(layer_name, None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _deliver_async(self, job: LoadJob) -> None:
+        try:
+            job.deliver_through(len(self.layer_names) - 1)
+        except Exception:  # reported as a failed load, never raised into the engine
+            logger.exception("Range asynchronous load failed")
+            job.cancel()
+            for req in job.reqs:
+                if req.chunks:
+                    job.failed_from[req.req_id] = req.chunks[0].chunk_idx
+
+    def _finish_step_job(self) -> None:
+        """Settle the step's pipelined/synchronous job after the forward (idempotent within a step).
+
+        A pipelined layer that attention never waited for was read before it landed (a platform whose attention
+        does not call the connector's per-layer hooks): every block of the job is then reported, so vLLM
+        recomputes the step instead of keeping what it computed on missing KV."""
+        job, self._step_job = self._step_job, None
+        if job is None:
+            return
+        if job.mode == PIPELINED and job.segments and not job.closed:
+            unwaited = [i for i, t in enumerate(job.layer_delivered_s) if t is None]
+            if unwaited:
+                self.stats["layers_read_before_load"] += len(unwaited)
+                if not self._warned_unwaited:
+                    self._warned_unwaited = True
+                    logger.warning("Range: attention read %d layer(s) before their pipelined load landed "
+                                   "(wait_for_layer_load not called); those loads are recomputed", len(unwaited))
+                job.cancel()
+                for req in job.reqs:
+                    if req.chunks:
+                        job.failed_from[req.req_id] = req.chunks[0].chunk_idx
+        job.finish()
+        self._record_job(job)
+
+    def _record_job(self, job: LoadJob) -> None:
+        self._finish_load(job.reqs, job.failed_from, job.done)
+        ready = [t for t in job.layer_ready_s if t is not None]
+        num_blocks = sum(len(dst) for _h, _s, dst in job.done)
+        req_ids = tuple(r.req_id for r in job.reqs)
+        if ready and num_blocks and not job.failed_from and self.layout is not None:
+            per_shard = num_blocks * self.layout.block_bytes // max(1, self.plan.num_shards)
+            self._load_timings.append((req_ids, per_shard, max(ready) - job.started_s, True))
+        elif job.deadline_missed and self.layout is not None:  # how long the tier took at least, for the gate
+            planned = sum(len(c.block_ids) for r in job.reqs for c in r.chunks)
+            per_shard = planned * self.layout.block_bytes // max(1, self.plan.num_shards)
+            self._load_timings.append((req_ids, per_shard, time.monotonic() - job.started_s, False))
+        self._loaded_reqs.extend(r.req_id for r in job.reqs)
+        self.load_timelines.append({
+            "mode": job.mode, "started_s": job.started_s, "layer_ready_s": list(job.layer_ready_s),
+            "layer_delivered_s": list(job.layer_delivered_s), "layer_waited_s": list(job.layer_waited_s),
+            "num_groups": len(getattr(job, "groups", ())), "failed": dict(job.failed_from)})
+        del self.load_timelines[:-64]
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Asynchronous loads that ended (loaded, failed, past their deadline, or aborted by vLLM).
+
+        Args:
+            finished_req_ids: requests vLLM finished (e.g. aborted) since the last call: their loads stop writing
+                at once and are reported here, so vLLM can free their blocks.
+
+        Returns:
+            Request ids to report in ``finished_recving``; their failed blocks are in
+            :meth:`take_failed_block_ids` in the same step.
+        """
+        self._finish_step_job()
+        if self._async_jobs:
+            # Yield the GIL for a moment: between steps vLLM's worker loop polls its message queue, and a busy
+            # loop would starve the threads that read and copy the asynchronous loads.
+            wait([fut for _job, fut in self._async_jobs.values()], timeout=_ASYNC_POLL_S, return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        out = set()
+        for req_id, (job, fut) in list(self._async_jobs.items()):
+            if req_id in finished_req_ids and not fut.done():
+                job.cancel()  # aborted: stop writing into blocks vLLM is about to free
+                self.stats["loads_aborted"] += 1
+                self._loaded_reqs.append(req_id)
+            elif fut.done():
+                job.finish()
+                self._record_job(job)
+            elif now > job.deadline + self.config.backend_timeout_s:
+                job.cancel()  # the delivery thread overran its deadline: nothing more is written
+                job.deadline_missed = True
+                self.stats["load_deadline_misses"] += 1
+                for req in job.reqs:
+                    if req.chunks:
+                        job.failed_from[req.req_id] = req.chunks[0].chunk_idx
+                job.finished = True
+                self._record_job(job)
+            else:
+                continue
+            del self._async_jobs[req_id]
+            out.add(req_id)
+        return out
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        """Asynchronous loads not yet reported (0 when idle)."""
+        return len(self._async_jobs)
+
+    def _finish_load(self, reqs: list[RequestTransfer], failed_from: dict[str, int],
+                     done: list[tuple[ChunkHash, list[int], list[int]]]) -> None:
+        """Record finished loads: ``done`` = (chunk hash, shards, block ids written) of each chunk that landed whole;
+        requests in ``failed_from`` fail from that chunk on (reported to vLLM, which recomputes)."""
+        layout = self.layout
+        assert layout is not None
+        loaded = 0
+        for chunk_hash, shards, dst_ids in done:
+            loaded += len(dst_ids)
+            self.loaded_block_log.extend(dst_ids)
+            self.last_loaded_tickets.extend((s, ticket_key(chunk_hash, self.shard_idxs[s], self.tp_rank))
+                                            for s in shards)
+        for req in reqs:
+            if req.req_id in failed_from:
+                self._fail_from(req, failed_from[req.req_id])
+        self.stats["loaded_blocks"] += loaded  # tokens are counted once per engine, by the scheduler (LoadTally)
+        self.stats["loaded_bytes"] += loaded * layout.block_bytes
+
+    def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
+        """``[num_blocks, row]`` view of one plane of one layer of the KV cache (after ``register_kv_caches``)."""
+        return self.load_context.kv_rows(layer_idx, plane_idx)
+
+    def drop(self, chunk_hash: ChunkHash, shard_idx: int) -> None:
+        """Forget a chunk whose bytes proved bad or gone, so that it is not offered again."""
+        self._dropped.append(chunk_hash)
+        try:
+            self.backends[shard_idx].delete_tickets([ticket_key(chunk_hash, self.shard_idxs[shard_idx], self.tp_rank)])
+        except BackendError as exc:
+            logger.warning("Range: could not delete a bad ticket: %s", exc)
+
+    def _fail_from(self, req: RequestTransfer, chunk_idx: int) -> None:
+        failed = [b for c in req.chunks if c.chunk_idx >= chunk_idx for b in c.block_ids]
+        self._failed_block_ids.update(failed)
+        self._failed_from_chunk[req.req_id] = chunk_idx
+        self._failed_loads.append((req.req_id, chunk_idx))
+        self.stats["failed_blocks"] += len(failed)
+
+    def take_loaded_block_log(self) -> list[int]:
+        """Return and forget the block ids loaded since the last call (chain order within each step)."""
+        out, self.loaded_block_log = self.loaded_block_log, []
+        return out
+
+    def take_failed_block_ids(self) -> set[int]:
+        """Return and forget the block ids that failed to load since the last call (the step's pipelined loads are
+        settled first)."""
+        self._finish_step_job()
+        out, self._failed_block_ids = self._failed_block_ids, set()
+        return out
+
+    # ---------------------------------------------------------------- saves
+    def save(self, meta: RangeConnectorMetadata) -> None:
+        """Write this step's new full chunks as one stripe per shard (split at the tier's value limit).
+
+        The chunks are gathered out of the KV cache here, in the step (vLLM may reuse the blocks afterwards). With
+        ``save_mode`` ``"sync"`` they are written before this returns; with ``"async"`` a background thread writes
+        them (at most ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped) and they are
+        reported to the scheduler with the step after the write. A failed or skipped write is counted, never
+        raised: a lost save is only a future miss. The step's pipelined loads are settled first (a chunk computed
+        on top of a failed load is not saved).
+        """
+        self._finish_step_job()
+        if not meta.saves or self.layout is None:
+            return
+        chunks = []  # (chunk_hash, block ids of the whole chunk)
+        for req in meta.saves:
+            failed_from = self._failed_from_chunk.get(req.req_id)
+            for c in req.chunks:
+                if failed_from is not None and c.chunk_idx >= failed_from:
+                    self.stats["saves_dropped_after_failed_load"] += 1
+                    continue
+                chunks.append((c.chunk_hash, c.block_ids))
+        if not chunks:
+            return
+        bps = self.plan.blocks_per_shard
+        stripes = []  # (shard, backend, chunks of the stripe, per-layer values)
+        for s, backend in enumerate(self.backends):
+            if time.monotonic() < self._save_down_until[s]:
+                self.stats["saves_skipped"] += 1
+                continue
+            try:
+                groups = chunk_groups(len(chunks), bps, self._layer_block_bytes(), backend.max_value_bytes)
+            except ValueError as exc:
+                logger.warning("Range save to shard %d: %s", s, exc)
+                self.stats["save_errors"] += 1
+                continue
+            for group in groups:
+                stripe_chunks = [chunks[i] for i in group]
+                stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks)))
+        hashes = [h for h, _ in chunks]
+        if self.config.save_mode != "async":
+            self._write_stripes(stripes, hashes, 0)
+            return
+        nbytes = sum(v.numel() * v.element_size() for *_rest, values in stripes for v in values)
+        with self._save_lock:
+            if self._save_backlog_bytes + nbytes > self.config.save_backlog_bytes:
+                self.stats["saves_skipped_backlog"] += 1
+                return
+            self._save_backlog_bytes += nbytes
+        self._pending_saves.add(self._saver.submit(self._write_stripes, stripes, hashes, nbytes))
+
+    def wait_for_saves(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"``; whether all ended."""
+        pending = [f for f in self._pending_saves if not f.done()]
+        return not wait(pending, timeout=timeout_s).not_done if pending else True
+
+    def _gather_stripe(self, s: int, chunks: list[tuple[ChunkHash, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Copy shard ``s``'s blocks of ``chunks`` out of the KV cache: per layer ``[num_planes, stripe_blocks,
+        row]`` host tensors that the stripe's values are written from."""
+        layout = self.layout
+        assert layout is not None
+        positions = list(self.plan.shard_blocks(s))
+        index = torch.tensor([ids[p] for _, ids in chunks for p in positions], dtype=torch.long)
+        if self._rows[0].is_cuda:  # gather on the device, one device-to-host copy per layer
+            index = index.to(self._rows[0].device)
+            return [gather_layer(self._rows, layout, layer_idx, index).cpu() for layer_idx in range(len(self.layer_names))]
+        return [gather_layer(self._rows, layout, layer_idx, index) for layer_idx in range(len(self.layer_names))]
+
+    def _write_stripes(self, stripes: list, hashes: list[ChunkHash], backlog_bytes: int) -> None:
+        """Write gathered stripes; chunks whose every shard was written are reported saved."""
+        try:
+            tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
+            for s, backend, stripe_chunks, values in stripes:
+                self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk)
+            saved = [(h, tuple(tickets)) for h, tickets in tickets_by_chunk.items() if all(t is not None for t in tickets)]
+            with self._save_lock:
+                self._saved.extend(saved)  # type: ignore[arg-type]
+                self._save_backlog_bytes -= backlog_bytes
+            self.stats["saved_chunks"] += len(saved)
+        except Exception:  # a background write must never take the worker down
+            logger.exception("Range save failed")
+            self.stats["save_errors"] += 1
+            with self._save_lock:
+                self._save_backlog_bytes -= backlog_bytes
+
+    def _write_stripe(self, s: int, backend: Backend, chunks: list[tuple[ChunkHash, tuple[int, ...]]],
+                      values: list[torch.Tensor], tickets_by_chunk: dict[ChunkHash, list[Ticket | None]]) -> None:
+        layout = self.layout
+        assert layout is not None
+        bps = self.plan.blocks_per_shard
+        stripe_blocks = len(chunks) * bps
+        views = [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in values]
+        stripe_id = new_stripe_id()
+        stripe_sums = tuple(xxhash.xxh3_64_intdigest(v) for v in views)
+        tickets = []
+        for c, (chunk_hash, _) in enumerate(chunks):
+            sums = tuple(chunk_checksum(v, layout.num_planes, stripe_blocks, c * bps, bps, layout.row_bytes)
+                         for v in views)
+            t = Ticket(stripe_id, c * bps, bps, stripe_blocks, len(self.layer_names), layout.num_planes,
+                       layout.row_bytes, sums, stripe_sums)
+            tickets.append((chunk_hash, t))
+        shard_idx = self.shard_idxs[s]
+        write = StripeWrite(stripe_id, views,
+                            [(ticket_key(h, shard_idx, self.tp_rank), t.encode()) for h, t in tickets])
+        try:
+            stored = backend.write_stripe(write)
+        except (BackendError, ValueError) as exc:
+            logger.warning("Range save to shard %d failed: %s", s, exc)
+            self.stats["save_errors"] += 1
+            if isinstance(exc, BackendError):
+                self._save_down_until[s] = time.monotonic() + self.config.backend_retry_s
+            return
+        if not stored:
+            self.stats["saves_skipped_capacity"] += 1
+            return
+        self.stats["saved_bytes"] += write.nbytes
+        self.stats["saved_stripes"] += 1
+        for h, t in tickets:
+            tickets_by_chunk[h][s] = t
+
+    # ---------------------------------------------------------------- to the scheduler
+    def build_worker_meta(self) -> RangeWorkerMetadata | None:
+        """Saves completed, loads finished, and chunks dropped since the last call."""
+        dropped = list(self._dropped)
+        for b in {id(b): b for b in self.backends}.values():
+            take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
+            if take_evicted is not None:
+                for key in take_evicted():
+                    dropped.append(ChunkHash(bytes.fromhex(key.split(b":")[2].decode())))
+        probe_timings = [self._probe_timings.pop(0) for _ in range(len(self._probe_timings))]
+        if not (self._saved or dropped or self._failed_loads or self._loaded_reqs or self._load_timings
+                or probe_timings):
+            return None
+        with self._save_lock:
+            saved, self._saved = self._saved, []
+        meta = RangeWorkerMetadata(saved=saved, dropped=dropped, failed_loads=self._failed_loads,
+                                   loaded=self._loaded_reqs, load_timings=self._load_timings,
+                                   probe_timings=probe_timings)
+        self._dropped, self._failed_loads, self._loaded_reqs = [], [], []
+        self._load_timings = []
+        return meta
+
+    def close(self) -> None:
+        """Release backend connections and the bank reader."""
+        self._finish_step_job()
+        for job, _fut in self._async_jobs.values():
+            job.cancel()
+        self._async_jobs.clear()
+        self.reader.close()
+        self.verifier.shutdown(wait=False)
+        self._async_loader.shutdown(wait=False)
+        self._prober.shutdown(wait=False)
+        if not self.wait_for_saves(self.config.backend_timeout_s):  # (written before the backends close)
+            logger.warning("Range: background saves still running at shutdown are abandoned")
+        self._saver.shutdown(wait=False)
+        self.shard_readers.shutdown(wait=False)
+        for b in {id(b): b for b in self.backends}.values():
+            b.close()
