@@ -73,6 +73,7 @@ from range_connector.bench.traces import (  # noqa: E402
     prepare_trace,
     read_trace,
 )
+from range_connector.config.parse import with_tier_settings  # noqa: E402
 from range_connector.errors import TraceError  # noqa: E402
 from range_connector.testing.launch import (  # noqa: E402
     ServerError,
@@ -104,7 +105,7 @@ def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any]) 
         runtime_dir = run_dir / "valkey"
         urls = ensure_servers(1, runtime_dir)
         extra = {**range_extra, **RANGE_VARIANTS.get(config, {})}
-        return connector_config({"valkey_urls": urls, **extra}), [runtime_dir]
+        return connector_config(with_tier_settings(extra, type="valkey", servers=urls)), [runtime_dir]
     if config == "example":
         storage = run_dir / "example-kv"
         storage.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ def deployment_plan(config: RangeConfig, cp: compat.ContextParallel, block_size:
     """Resolve the config for this engine's context parallelism and build its shard plan.
 
     ``num_shards`` defaults to the writer count W (the PCP size P, or the DCP size D when DCP splits the cache)
-    when neither ``num_shards`` nor ``valkey_urls`` is set; otherwise it must be a multiple of W. Under DCP the
+    when neither ``num_shards`` nor the tier's servers are set; otherwise it must be a multiple of W. Under DCP the
     scheduler's block (and the chunk's unit) is ``block_size * D`` tokens (vLLM 0.32
     ``v1/core/single_type_kv_cache_manager.py`` L108). With W > 1 loads are synchronous (``load_mode`` "sync"):
     the ranks agree on what landed in ``start_load_kv``, before the forward (:mod:`range_connector.worker.pcp`).
@@ -52,7 +52,7 @@ def deployment_plan(config: RangeConfig, cp: compat.ContextParallel, block_size:
         config: the parsed config (``chunk_tokens`` may be unset).
         cp: the engine's context-parallel sizes (:func:`range_connector.compat.context_parallel`).
         block_size: the KV-cache spec's block size (tokens per physical block).
-        num_shards_set: the user named ``num_shards`` or ``valkey_urls``.
+        num_shards_set: the user named ``num_shards`` or listed the tier's servers.
 
     Returns:
         ``(resolved config, plan)``.
@@ -63,9 +63,9 @@ def deployment_plan(config: RangeConfig, cp: compat.ContextParallel, block_size:
     """
     num_writers = cp.dcp_size if cp.dcp_size > 1 else cp.pcp_size
     if num_writers > 1:
-        if config.backend == "memory":
-            raise ConfigError("backend", f"the in-process DRAM tier cannot serve {num_writers} context-parallel "
-                                         "ranks; use valkey or file")
+        if config.tier.type == "memory":
+            raise ConfigError(config.tier.key_name("type"), f"the in-process DRAM tier cannot serve {num_writers} "
+                                                            "context-parallel ranks; use valkey or file")
         if not num_shards_set:
             config = dataclasses.replace(config, num_shards=num_writers)
         check_shard_count(config.num_shards, num_writers)
@@ -148,7 +148,7 @@ class RangeSpec:
         cp = compat.context_parallel(vllm_config, in_worker=in_worker)
         parsed = RangeConfig.from_extra_config(extra)
         config, plan = deployment_plan(parsed, cp, group.block_size,
-                                       num_shards_set=bool({"num_shards", "valkey_urls"} & set(extra)))
+                                       num_shards_set="num_shards" in extra or bool(parsed.tier.servers))
         namespace, fields = build_namespace(vllm_config, config, group, plan)
         if transfer.kv_role == "kv_producer" and config.save_mode == "async":
             # A prefill engine's answer (kv_transfer_params) promises KV that is stored: its saves end in the step.
@@ -162,7 +162,7 @@ class RangeSpec:
         """The scheduler half (engine-core process); it opens the remote tiers' backends (the DRAM tier's index
         lives in it, its bytes in the workers)."""
         config = self.config
-        backends = open_shard_backends(config) if config.backend != "memory" else None
+        backends = open_shard_backends(config) if config.tier.type != "memory" else None
         return RangeScheduler(
             config, self.namespace, self.group.block_size * self.cp.dcp_size, backends,
             can_load=self.kv_role in LOADING_ROLES, can_save=self.kv_role in SAVING_ROLES,

@@ -279,7 +279,7 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayReque
         cleanup.callback(lambda: _log(f"stopped {stop_servers(valkey_dir)} Valkey server(s)"))
         urls = ensure_servers(NUM_SHARDS, valkey_dir)
         _log(f"Valkey: {NUM_SHARDS} shards at {', '.join(urls)} (runtime dir {valkey_dir})")
-        common = {"valkey_urls": urls, "chunk_tokens": CHUNK_TOKENS}
+        common = {"chunk_tokens": CHUNK_TOKENS, "tiers": [{"type": "valkey", "servers": urls}]}
         prefill = _engine(model_dir, run_dir, "prefill", "0", 1, connector_config(common, role="kv_producer"))
         decode = _engine(model_dir, run_dir, "decode", "1", 1, connector_config(common, role="kv_consumer"))
         cleanup.callback(lambda: _log("stopped the prefill and decode engines"))

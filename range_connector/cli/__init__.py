@@ -136,11 +136,11 @@ def _valkey_start(args: argparse.Namespace) -> int:
         print(f"  shard {shard_idx}: {url}  data dir {data_dirs.get(url, '?')}")
     print()
     print("For kv_connector_extra_config:")
-    print(f'"valkey_urls": {json.dumps(urls)}')
+    print(f'"tiers": [{json.dumps({"type": "valkey", "servers": urls})}]')
     print()
     print("Engine flag:")
     config = {"kv_connector": "RangeConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"valkey_urls": urls, "num_shards": len(urls)}}
+              "kv_connector_extra_config": {"tiers": [{"type": "valkey", "servers": urls}]}}
     print(f"--kv-transfer-config '{json.dumps(config)}'")
     return EXIT_OK
 
@@ -249,8 +249,8 @@ def _add_calibrate_commands(subparsers: argparse._SubParsersAction[_Parser]) -> 
     cal.add_argument("--url", help="http://host:port of a running vLLM API server to measure instead")
     cal.add_argument("--backends", type=lambda t: tuple(x for x in t.split(",") if x), default=None,
                      help="comma-separated backends to measure (default: the config's backend; '' for none)")
-    cal.add_argument("--extra-config", default="{}", help="kv_connector_extra_config JSON (valkey_urls, "
-                     "num_shards, file_dir, ...); embedded Valkey servers are used when it names none")
+    cal.add_argument("--extra-config", default="{}", help="kv_connector_extra_config JSON (tiers, "
+                     "num_shards, ...); embedded Valkey servers are used when it names none")
     cal.add_argument("--output", type=Path, default=Path("range-calibration.json"), help="calibration file")
     cal.add_argument("--quick", action="store_true", help="fewer and shorter prompts, smaller reads, fewer repeats")
     cal.add_argument("--prompt-tokens", type=_positive_ints, help="prompt lengths of the prefill sweep")

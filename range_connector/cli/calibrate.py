@@ -26,10 +26,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.config import TIER_TYPES, RangeConfig
+from range_connector.config.keys import FLAT_TIER_KEYS
 from range_connector.cost.calibration_file import Calibration, fit_prefill_rate, fit_tier_line
 from range_connector.cost.model import (
     PrefillRate,
@@ -234,6 +237,29 @@ def unique_backends(backends: Sequence[Backend]) -> list[Backend]:
     return list({id(b): b for b in backends}.values())
 
 
+def tier_config(extra: dict[str, Any], tier_type: str) -> RangeConfig:
+    """The user's ``--extra-config`` as a config of one tier of ``tier_type`` (each measured tier type gets its own):
+    the tier's type is set, the address of another type (valkey servers, a file directory) is dropped, and there
+    is no byte budget (a budget would make room for our own stripes by evicting the tier's real ones).
+
+    Raises:
+        ConfigError: ``tier_type`` is not a tier type (names ``--backends``), or the config is bad (names the key).
+    """
+    if tier_type not in TIER_TYPES:
+        raise ConfigError("--backends", f"{tier_type!r} is not one of {', '.join(TIER_TYPES)}")
+    own = {"valkey": "servers", "file": "directory", "memory": None}
+    drop = {key for other, key in own.items() if other != tier_type and key}
+    extra = dict(extra)
+    if "tiers" in extra or not any(k in FLAT_TIER_KEYS for k in extra):
+        tiers = [{k: v for k, v in dict(t).items() if k not in drop} for t in extra.get("tiers") or [{}]]
+        extra["tiers"] = [{**tiers[0], "type": tier_type}, *tiers[1:]]
+    else:
+        flat_drop = {flat for flat, target in FLAT_TIER_KEYS.items() if target in drop}
+        extra = {k: v for k, v in extra.items() if k not in flat_drop}
+        extra["backend"] = tier_type
+    return RangeConfig.from_extra_config(extra).with_tier(capacity_bytes=0)
+
+
 @dataclass(frozen=True, slots=True)
 class CalibrateOptions:
     """Inputs of :func:`run_calibration` (the command's options)."""
@@ -265,7 +291,6 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
         ServerError: the engine did not start.
     """
     from range_connector.backends.factory import open_shard_backends
-    from range_connector.config import BACKEND_NAMES, RangeConfig
 
     if not opts.skip_prefill and not (opts.url or opts.model):
         raise ConfigError("--model", "give --model (or --tiny) to start an engine, --url for a running one, or "
@@ -281,9 +306,7 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
     if opts.backends and len(set(opts.read_bytes)) < 2:
         raise ConfigError("--read-mib", "give at least two different sizes: B and T0 are fitted as a line through "
                                         "the read times")
-    # No byte budget for our own stripes: a budget would make room by evicting the tier's real stripes.
-    config = dataclasses.replace(RangeConfig.from_extra_config(opts.extra_config), shard_capacity_bytes=0,
-                                 memory_capacity_bytes=0)
+    configs = {name: tier_config(opts.extra_config, name) for name in opts.backends}  # (bad config fails first)
     prefill_points: list[tuple[int, float]] = []
     if not opts.skip_prefill:
         if opts.url:
@@ -302,9 +325,7 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
                                                  repeats=opts.prefill_repeats, vocab_size=vocab)
     tier_points: dict[str, list[list[tuple[int, float]]]] = {}
     for name in opts.backends:
-        if name not in BACKEND_NAMES:
-            raise ConfigError("--backends", f"{name!r} is not one of {', '.join(BACKEND_NAMES)}")
-        backends = open_shard_backends(dataclasses.replace(config, backend=name))
+        backends = open_shard_backends(configs[name])
         try:
             tier_points[name] = []
             for shard_idx, backend in enumerate(unique_backends(backends)):

@@ -86,8 +86,8 @@ class RangeConnector(KVConnectorBase_V1):
             self._scheduler = spec.build_scheduler()
         else:
             self._worker, self._pcp = spec.build_worker()
-        logger.info("RangeConnector %s: backend=%s shards=%d chunk_tokens=%d pcp=%d dcp=%d load_mode=%s "
-                    "namespace=%s", role.name, config.backend, config.num_shards, config.chunk_tokens,
+        logger.info("RangeConnector %s: tier=%s shards=%d chunk_tokens=%d pcp=%d dcp=%d load_mode=%s "
+                    "namespace=%s", role.name, config.tier.type, config.num_shards, config.chunk_tokens,
                     spec.cp.pcp_size, spec.cp.dcp_size, config.load_mode, spec.namespace.hex())
 
     # ------------------------------------------------------------ worker side

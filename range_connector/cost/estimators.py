@@ -347,7 +347,7 @@ class CostGate:
     """The admission gate of one scheduler: estimators, decisions and their counters.
 
     Args:
-        backend: the tier's name (``RangeConfig.backend``).
+        backend: the tier's type (``RangeConfig.tier.type``).
         num_shards: shards read in parallel by every load.
         bytes_per_token: ``s``, all layers and shards (:func:`~range_connector.cost.model.layout_bytes_per_token`).
         num_layers: attention layers.

@@ -145,7 +145,7 @@ class RangeScheduler:
         self.gate: CostGate | None = None
         if can_load and num_layers > 0 and layer_block_bytes > 0:
             calibration = load_calibration(config.calibration_file) if config.calibration_file else None
-            self.gate = CostGate(config.backend, config.num_shards,
+            self.gate = CostGate(config.tier.type, config.num_shards,
                                  layout_bytes_per_token(layer_block_bytes, num_layers, block_size), num_layers,
                                  block_size, self.chunk_tokens, calibration=calibration)
         self._decisions: dict[str, Decision] = {}  # req_id -> the gate's decision vLLM acted on
@@ -181,7 +181,7 @@ class RangeScheduler:
         its first run), and the intersection of prefix-closed sets of one chain is the shortest of them.
 
         A backend error counts as a miss (empty), never an exception; after one, lookups are misses without
-        asking for ``backend_retry_s`` seconds, so a dead or frozen shard costs one timeout, not one per request.
+        asking for the tier's ``retry_s`` seconds, so a dead or frozen shard costs one timeout, not one per request.
         A ticket that does not fit the registered layout is a miss.
         """
         if tail_hash is not None:
@@ -218,8 +218,8 @@ class RangeScheduler:
                 per_shard = list(self._pool.map(one, range(len(self.lookup_backends))))
         except BackendError as exc:
             self.stats["lookup_errors"] += 1
-            self._lookup_down_until = time.monotonic() + self.config.backend_retry_s
-            logger.warning("Range lookup failed; lookups are misses for %.1f s: %s", self.config.backend_retry_s, exc)
+            self._lookup_down_until = time.monotonic() + self.config.tier.retry_s
+            logger.warning("Range lookup failed; lookups are misses for %.1f s: %s", self.config.tier.retry_s, exc)
             return []
         return common_stored_prefix(per_shard)
 
@@ -293,7 +293,7 @@ class RangeScheduler:
         """:meth:`stored_prefix`, waiting at most ``lookup_wait_s`` for a tier that lives elsewhere; ``None`` while
         the request's lookup is still running (it is picked up when vLLM asks again)."""
         pending = self._pending_lookups.pop(req_id, None)
-        if self.lookup_backends is None or (pending is None and self.config.lookup_wait_s >= self.config.backend_timeout_s):
+        if self.lookup_backends is None or (pending is None and self.config.lookup_wait_s >= self.config.tier.timeout_s):
             return self.stored_prefix(hashes, tail) if pending is None else pending.result()
         if pending is None:
             pending = self._lookup_runner.submit(self.stored_prefix, hashes, tail)
@@ -306,7 +306,7 @@ class RangeScheduler:
     def _background_probe(self, decision: Decision, lookup: _Lookup) -> Decision:
         """A probe of a tier that lives elsewhere (Valkey, files) is a background read of one stored chunk by the
         worker (:mod:`range_connector.worker.probes`), not a load the request waits for: the request is recomputed as
-        refused. One probe in flight at a time (until its timing comes back, at most ``2 * backend_timeout_s``).
+        refused. One probe in flight at a time (until its timing comes back, at most twice the tier's ``timeout_s``).
         The DRAM tier keeps probing through a short hit (it lends stripes in-process)."""
         if not decision.is_probe or self.lookup_backends is None:
             return decision
@@ -346,9 +346,9 @@ class RangeScheduler:
 
     def _queue_probe(self, lookup: _Lookup) -> None:
         """Have the worker read the first chunk of the lookup's hit in the background with the next step (one probe
-        in flight at a time: until its timing comes back, at most ``2 * backend_timeout_s``)."""
+        in flight at a time: until its timing comes back, at most twice the tier's ``timeout_s``)."""
         self._probes.append(lookup.tickets[lookup.num_computed_tokens // self.chunk_tokens])
-        self._probe_until = time.monotonic() + 2.0 * self.config.backend_timeout_s
+        self._probe_until = time.monotonic() + 2.0 * self.config.tier.timeout_s
 
     def _wait_for_announced_kv(self, request: EngineRequest, hit: int) -> bool:
         """Whether to wait for KV that a producer announced in ``kv_transfer_params`` (disaggregated prefill) and

@@ -29,7 +29,7 @@ class LoadContext:
     """The worker's KV cache, backends, threads and counters, as load jobs use them.
 
     Attributes:
-        config: the worker's config (``verify_checksums``, ``bank_bytes``, ``num_banks``, ``backend_timeout_s``).
+        config: the worker's config (``verify_checksums``, ``bank_bytes``, ``num_banks``, the tier's ``timeout_s``).
         layout: the registered KV layout (planes per layer, bytes per block row, row dtype).
         layer_names: ``[num_layers]`` in forward order.
         plan: the shard plan of this worker's chunks.

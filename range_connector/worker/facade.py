@@ -280,7 +280,7 @@ class RangeWorker:
             elif fut.done():
                 job.finish()
                 self._record_job(job)
-            elif now > job.deadline + self.config.backend_timeout_s:
+            elif now > job.deadline + self.config.tier.timeout_s:
                 job.cancel()  # the delivery thread overran its deadline: nothing more is written
                 job.deadline_missed = True
                 self.stats["load_deadline_misses"] += 1
@@ -459,7 +459,7 @@ class RangeWorker:
             logger.warning("Range save to shard %d failed: %s", s, exc)
             self.stats["save_errors"] += 1
             if isinstance(exc, BackendError):
-                self._save_down_until[s] = time.monotonic() + self.config.backend_retry_s
+                self._save_down_until[s] = time.monotonic() + self.config.tier.retry_s
             return
         if not stored:
             self.stats["saves_skipped_capacity"] += 1
@@ -501,7 +501,7 @@ class RangeWorker:
         self.verifier.shutdown(wait=False)
         self._async_loader.shutdown(wait=False)
         self._prober.shutdown(wait=False)
-        if not self.wait_for_saves(self.config.backend_timeout_s):  # (written before the backends close)
+        if not self.wait_for_saves(self.config.tier.timeout_s):  # (written before the backends close)
             logger.warning("Range: background saves still running at shutdown are abandoned")
         self._saver.shutdown(wait=False)
         self.shard_readers.shutdown(wait=False)

@@ -28,10 +28,10 @@ from range_connector.worker.pcp import LoadAgreement, PcpExchange
 def rank_view_config(view: RankSlice, config: RangeConfig, block_size: int) -> RangeConfig:
     """The config a rank's own worker runs with: ``S / W`` shards, chunks of the rank's blocks (``block_size``:
     physical), and the servers of the rank's shards only."""
+    servers = config.tier.servers
     return dataclasses.replace(config, num_shards=view.plan.shards_per_writer,
-                               chunk_tokens=view.local_plan.blocks_per_chunk * block_size,
-                               valkey_urls=tuple(config.valkey_urls[s] for s in view.shard_idxs)
-                               if config.valkey_urls else ())
+                               chunk_tokens=view.local_plan.blocks_per_chunk * block_size).with_tier(
+        servers=tuple(servers[s] for s in view.shard_idxs) if servers else ())
 
 
 class PcpWorkerRouter:
@@ -47,7 +47,7 @@ class PcpWorkerRouter:
         num_blocks: blocks per layer tensor.
         backends: ``[S / W]`` this rank's backends, in :attr:`RankSlice.shard_idxs` order.
         tp_rank: tensor-parallel rank (part of every ticket key).
-        collective_timeout_s: the most one collective waits (default ``config.backend_timeout_s``); the
+        collective_timeout_s: the most one collective waits (default the tier's ``timeout_s``); the
             agreement waits the time left to the load deadline plus this.
 
     Raises:
@@ -64,7 +64,7 @@ class PcpWorkerRouter:
         rank_config = dataclasses.replace(rank_view_config(self.slice, config, block_size), load_mode="sync")
         self.worker = RangeWorker(rank_config, block_size, layer_names, num_blocks, backends, tp_rank=tp_rank,
                                   shard_idxs=self.slice.shard_idxs)
-        self.collective_timeout_s = config.backend_timeout_s if collective_timeout_s is None else collective_timeout_s
+        self.collective_timeout_s = config.tier.timeout_s if collective_timeout_s is None else collective_timeout_s
         self.exchange = PcpExchange(plan, rank, group, self.collective_timeout_s)
         self.load_deadline_s = config.load_deadline_s
         self.num_blocks = num_blocks

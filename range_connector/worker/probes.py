@@ -9,7 +9,7 @@ triggered it is recomputed as if refused. The time from submission to the last b
 (``probe_interval_s``, ``probe_every_refusals``; one probe in flight at a time).
 
 A probe that finds its bytes gone, or meets a backend error other than a timeout, measures nothing and is dropped; a
-timeout (the tier's own ``backend_timeout_s``) reports the time it took as a lower bound.
+timeout (the tier's own ``timeout_s``) reports the time it took as a lower bound.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from range_connector.backends.valkey.client import ValkeyBackend
-from range_connector.config import RangeConfig
+from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
 from range_connector.kv.sharding import RankSlice, ShardPlan, common_stored_prefix
 from range_connector.kv.tickets import Ticket, ticket_key
@@ -54,7 +54,7 @@ def connect(urls: list[str]) -> list[ValkeyBackend]:
 def test_lookup_on_real_servers_is_the_longest_prefix_on_every_shard(
         shard_urls: list[str], num_shards: int, num_chunks: int, seed: int, data) -> None:
     urls = shard_urls[:num_shards]
-    config = RangeConfig(backend="valkey", num_shards=num_shards, chunk_tokens=CHUNK).resolve(BLOCK)
+    config = RangeConfig(tiers=(TierConfig("valkey"),), num_shards=num_shards, chunk_tokens=CHUNK).resolve(BLOCK)
     plan = ShardPlan(CHUNK // BLOCK, num_shards, pcp_size=num_shards)
     prompt = prompt_tokens(num_chunks * CHUNK + 1, seed=seed)  # a fresh prompt: keys never seen before
     hashes = chain(prompt, CHUNK)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from range_connector.backends.memory import MemoryBackend
-from range_connector.config import RangeConfig
+from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
 from range_connector.kv.namespace import prefix_hash_chain
 from range_connector.worker.facade import RangeWorker
@@ -30,7 +30,7 @@ def _kv(device: str) -> dict[str, torch.Tensor]:
 def test_load_through_pinned_banks_on_a_copy_stream_is_byte_exact() -> None:
     backend = MemoryBackend(None)
     backend.supports_views = False  # force the bank path
-    cfg = RangeConfig(chunk_tokens=32, backend="memory", bank_bytes=1 << 16, num_banks=2).resolve(16)
+    cfg = RangeConfig(chunk_tokens=32, tiers=(TierConfig("memory"),), bank_bytes=1 << 16, num_banks=2).resolve(16)
     src = _kv("cuda")
     saver = RangeWorker(cfg, 16, tuple(src), 64, [backend])
     saver.register_kv_caches(src)

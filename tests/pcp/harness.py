@@ -31,7 +31,7 @@ from typing import Any
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from range_connector.backends.valkey.client import ValkeyBackend
-from range_connector.config import RangeConfig
+from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata
 from range_connector.scheduler.facade import RangeScheduler
 from tests.unit.test_scheduler_worker import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, NUM_BLOCKS, FakeRequest
@@ -136,8 +136,8 @@ class SchedulerSide:
 
     def __init__(self, urls: list[str], chunk_tokens: int, seed: int, *, kind: str = "dense",
                  backend_timeout_s: float = 2.0, **config: Any) -> None:
-        self.config = RangeConfig(backend="valkey", valkey_urls=tuple(urls), num_shards=len(urls),
-                                  chunk_tokens=chunk_tokens, backend_timeout_s=backend_timeout_s,
+        tier = TierConfig("valkey", servers=tuple(urls), timeout_s=backend_timeout_s)
+        self.config = RangeConfig(tiers=(tier,), num_shards=len(urls), chunk_tokens=chunk_tokens,
                                   **config).resolve(BLOCK)
         self.backends = [ValkeyBackend(u, timeout_s=backend_timeout_s) for u in urls]
         self.sched = RangeScheduler(self.config, NAMESPACE, BLOCK, list(self.backends), can_load=True, can_save=True,

@@ -109,7 +109,7 @@ class _RankEngine:
                  seed: int, capacities: list[int | None], backend_timeout_s: float, load_deadline_s: float,
                  collective_timeout_s: float) -> None:
         from range_connector.backends.valkey.client import ValkeyBackend
-        from range_connector.config import RangeConfig
+        from range_connector.config import RangeConfig, TierConfig
         from range_connector.kv.sharding import ShardPlan, shards_of_rank
         from range_connector.worker.pcp_router import PcpWorkerRouter
         from tests.unit.test_scheduler_worker import BLOCK, LAYERS, NUM_BLOCKS, make_kv
@@ -118,9 +118,9 @@ class _RankEngine:
         self.pcp_size, self.kind = pcp_size, kind
         self.block_size, self.layers, self.num_blocks = BLOCK, LAYERS, NUM_BLOCKS
         self.plan = ShardPlan(chunk_tokens // BLOCK, num_shards, pcp_size=pcp_size)
-        config = RangeConfig(backend="valkey", valkey_urls=tuple(urls), num_shards=num_shards,
-                             chunk_tokens=chunk_tokens, backend_timeout_s=backend_timeout_s,
-                             load_deadline_s=load_deadline_s, backend_retry_s=0.5).resolve(BLOCK)
+        tier = TierConfig("valkey", servers=tuple(urls), timeout_s=backend_timeout_s, retry_s=0.5)
+        config = RangeConfig(tiers=(tier,), num_shards=num_shards, chunk_tokens=chunk_tokens,
+                             load_deadline_s=load_deadline_s).resolve(BLOCK)
         own = [ValkeyBackend(urls[s], timeout_s=backend_timeout_s, capacity_bytes=capacities[s])
                for s in shards_of_rank(rank, pcp_size, num_shards)]
         # The connector's own worker-side router (what RangeConnector runs on a PCP rank), over this rank's servers.

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from range_connector.config import CONFIG_KEYS, RangeConfig
+from range_connector.config import RangeConfig, TierConfig, TierTesting
+from range_connector.config.keys import ENGINE_KEYS, TESTING_KEYS, TIER_KEYS
 from range_connector.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(10)
@@ -32,21 +33,24 @@ def test_defaults(extra: dict | None) -> None:
     config = RangeConfig.from_extra_config(extra)
 
     assert config == RangeConfig()
-    assert config.backend == "valkey"
-    assert config.valkey_urls == ()
+    assert config.tier == TierConfig() and len(config.tiers) == 1
+    assert config.tier.type == "valkey"
+    assert config.tier.servers == ()
     assert config.num_shards == 1
     assert config.chunk_tokens is None
     assert config.runtime_dir is None
-    assert config.backend_timeout_s == 5.0
+    assert config.tier.timeout_s == 5.0
     assert config.load_deadline_s == 30.0
-    assert config.start_timeout_s == 10.0
+    assert config.tier.start_timeout_s == 10.0
     assert config.verify_checksums is True
-    assert config.memory_capacity_bytes == 1 << 30
+    assert TierConfig("memory").budget_bytes == 1 << 30 and config.tier.budget_bytes == 0
     assert config.namespace_salt == ""
 
 
 def test_every_documented_key_is_a_field() -> None:
-    assert set(CONFIG_KEYS) == {f.name for f in dataclasses.fields(RangeConfig)}
+    assert {k.name for k in ENGINE_KEYS} == {f.name for f in dataclasses.fields(RangeConfig)}
+    assert {k.name for k in TIER_KEYS} == {f.name for f in dataclasses.fields(TierConfig)} - {"shorthand"}
+    assert {k.name for k in TESTING_KEYS} == {f.name for f in dataclasses.fields(TierTesting)}
 
 
 def test_good_values_are_kept() -> None:
@@ -68,22 +72,23 @@ def test_good_values_are_kept() -> None:
         }
     )
 
-    assert config.backend == "memory" and config.num_shards == 4 and config.chunk_tokens == 512
-    assert config.backend_timeout_s == 1.0 and isinstance(config.backend_timeout_s, float)
-    assert config.load_deadline_s == 2.5 and config.start_timeout_s == 0.25
-    assert config.verify_checksums is False and config.memory_capacity_bytes == 0
+    tier = config.tier
+    assert tier.type == "memory" and config.num_shards == 4 and config.chunk_tokens == 512
+    assert tier.timeout_s == 1.0 and isinstance(tier.timeout_s, float)
+    assert config.load_deadline_s == 2.5 and tier.start_timeout_s == 10.0  # (for embedded valkey servers only)
+    assert config.verify_checksums is False and tier.capacity_bytes == 0 and tier.budget_bytes == 0
     assert config.runtime_dir == "/tmp/rc" and config.namespace_salt == "rev-abc"
-    assert config.tier_delay_s == 0.0 and config.tier_bandwidth_bytes_per_s == 1e9
-    assert config.tier_control_file == "/tmp/rc/tier.json" and config.slows_tier
-    assert not RangeConfig.from_extra_config({"tier_delay_s": 0.0}).slows_tier
-    assert RangeConfig.from_extra_config({"tier_delay_s": 0.01}).slows_tier
+    assert tier.testing.delay_s == 0.0 and tier.testing.bandwidth_bytes_per_s == 1e9
+    assert tier.testing.control_file == "/tmp/rc/tier.json" and tier.testing.slows_tier
+    assert not RangeConfig.from_extra_config({"tier_delay_s": 0.0}).tier.testing.slows_tier
+    assert RangeConfig.from_extra_config({"tier_delay_s": 0.01}).tier.testing.slows_tier
 
 
 def test_valkey_urls_set_the_shard_count() -> None:
     assert RangeConfig.from_extra_config({"valkey_urls": [URL_A, URL_B]}).num_shards == 2
     assert RangeConfig.from_extra_config({"valkey_urls": [URL_A, URL_B], "num_shards": 2}).num_shards == 2
-    single = RangeConfig.from_extra_config({"valkey_urls": URL_A})
-    assert single.valkey_urls == (URL_A,) and single.num_shards == 1
+    single = RangeConfig.from_extra_config({"valkey_urls": URL_A})  # a string: one URL, with a warning
+    assert single.tier.servers == (URL_A,) and single.num_shards == 1
 
 
 # ---------------------------------------------------------------------- unknown keys
@@ -236,10 +241,10 @@ def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.chunk_tokens = 512  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.backend = "memory"  # type: ignore[misc]
+        config.tier.type = "memory"  # type: ignore[misc]
     with pytest.raises((AttributeError, TypeError)):
         config.extra_field = 1  # type: ignore[attr-defined]
-    assert config.chunk_tokens is None and config.backend == "valkey"
+    assert config.chunk_tokens is None and config.tier.type == "valkey"
 
 
 def test_config_is_hashable_and_comparable() -> None:

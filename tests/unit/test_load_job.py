@@ -18,7 +18,7 @@ import xxhash
 from range_connector.backends.base import Backend, StripeWrite
 from range_connector.backends.file.backend import FileBackend
 from range_connector.backends.memory import MemoryBackend
-from range_connector.config import RangeConfig
+from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.layout import block_rows
 from range_connector.kv.metadata import ChunkTransfer, RequestTransfer
 from range_connector.kv.namespace import ChunkHash
@@ -70,7 +70,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
 
 def context_for(dest: dict[str, torch.Tensor], backend: Backend) -> tuple[LoadContext, list]:
     layout, rows = block_rows(dest, LAYERS, NUM_BLOCKS)
-    config = RangeConfig(backend="memory", chunk_tokens=BLOCK * BLOCKS_PER_CHUNK, num_shards=1)
+    config = RangeConfig(tiers=(TierConfig("memory"),), chunk_tokens=BLOCK * BLOCKS_PER_CHUNK, num_shards=1)
     pools = [ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)]
     reader = BankReader()
     dropped: list = []

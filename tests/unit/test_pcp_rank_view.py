@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from range_connector.backends.memory import MemoryBackend
-from range_connector.config import RangeConfig
+from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.kv.sharding import RankSlice, ShardPlan, leading_run
 from range_connector.kv.tickets import Ticket, ticket_key
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.timeout(90)
 
 def config(num_shards: int, chunk_tokens: int) -> RangeConfig:
     # the PCP ranks agree on failures in start_load_kv, before the forward: loads complete there (load_mode "sync")
-    return RangeConfig(backend="memory", num_shards=num_shards, chunk_tokens=chunk_tokens,
+    return RangeConfig(tiers=(TierConfig("memory"),), num_shards=num_shards, chunk_tokens=chunk_tokens,
                        load_mode="sync").resolve(BLOCK)
 
 
