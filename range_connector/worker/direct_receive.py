@@ -39,7 +39,7 @@ Why (measured on the 2-core development machine on 29 November 2026, restoring 5
   0.79-0.90 direct, 0.72-0.87 checksummed as bytes land. Time to the first layer: 0.05-0.07 s -> 0.03 s.
 * The file tier (page cache warm, 21 rounds at load average 1.5-2.8): bank 0.116-0.131 s, direct receive with the
   checksum pass over the rows 0.083-0.084 s, checksummed as the bytes land 0.067-0.071 s (0.57x; ``preadv`` of
-  1 MiB per call: see ``range_connector/backends/file/backend.py``); the resident copy of the same bytes takes 0.062 s.
+  1 MiB per call: see ``range_connector/backends/file/stripes.py``); the resident copy of the same bytes takes 0.062 s.
 * Rejected: spreading a read over 2 or 3 connections read by as many threads (0.91-1.03 of one connection, within
   the noise: the server and the other work already hold the second core); Valkey ``io-threads`` 2 or 3 (2-5x slower
   here: the I/O threads spin on 2 cores; it would also have to apply to every path of the benchmark); a unix socket

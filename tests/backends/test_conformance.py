@@ -322,7 +322,7 @@ class FileStore(Store):
         assert backend.used_bytes() == sum(size - 4096 for size in stripes.values())
         fresh = FileBackend(backend.root)  # the ticket log replayed from scratch
         fresh.get_tickets([])
-        assert {sid for sid, _ in fresh._tickets.values()} <= set(stripes)
+        assert {sid for sid, _ in fresh._log.tickets.values()} <= set(stripes)
         fresh.close()
         if backend.capacity_bytes is not None:
             assert backend.used_bytes() <= backend.capacity_bytes

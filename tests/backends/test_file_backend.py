@@ -26,7 +26,8 @@ import pytest
 import xxhash
 
 from range_connector.backends.base import RangeRead, ScatterDest, StripeWrite
-from range_connector.backends.file.backend import PAGE, DeviceRead, FileBackend, gds_status
+from range_connector.backends.file.backend import FileBackend, gds_status
+from range_connector.backends.file.stripes import PAGE, DeviceRead
 from range_connector.errors import BackendError, BackendTimeoutError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -415,10 +416,10 @@ def test_odirect_and_buffered_reads_give_the_same_bytes(tmp_path: Path, caplog: 
     def refuse(*args, **kwargs):
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    fallback._pread_direct = refuse  # type: ignore[method-assign]
+    fallback._files.pread_direct = refuse  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING, logger="range_connector.backends.file.backend"):
         assert _read(fallback, "dw", 1, 3, 500) == _read(buffered, "dw", 1, 3, 500)
-    assert "O_DIRECT refused" in caplog.text and not fallback._direct_reads
+    assert "O_DIRECT refused" in caplog.text and not fallback._files.direct_reads
 
 
 @pytest.mark.timeout(60)
@@ -455,7 +456,7 @@ def test_deadlines_are_honoured(tmp_path: Path) -> None:
     assert time.monotonic() - start < 1.5
     os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # let the blocked open go
     fifo.unlink()
-    with b._index_lock:  # a lookup stuck behind another call reading the log
+    with b._log.lock:  # a lookup stuck behind another call reading the log
         start = time.monotonic()
         with pytest.raises(BackendTimeoutError):
             b.get_tickets([b"ok:chunk0"])
@@ -488,9 +489,9 @@ def test_crashed_writer_leftovers_are_cleaned_by_the_next_eviction(tmp_path: Pat
 
 @pytest.mark.timeout(60)
 def test_ticket_log_is_rewritten_and_every_instance_follows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import range_connector.backends.file.backend as file_mod
+    import range_connector.backends.file.ticket_log as ticket_log_mod
 
-    monkeypatch.setattr(file_mod, "_COMPACT_MIN", 4096)
+    monkeypatch.setattr(ticket_log_mod, "_COMPACT_MIN", 4096)
     root = tmp_path / "s"
     writer, reader = FileBackend(root), FileBackend(root)
     expected: dict[bytes, bytes | None] = {}

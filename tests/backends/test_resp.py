@@ -19,7 +19,8 @@ import pytest
 import xxhash
 
 from range_connector.backends.base import ScatterDest
-from range_connector.backends.valkey.resp import RespCommandError, RespConnection, RespPool, RespReplyTooLargeError
+from range_connector.backends.valkey.pool import RespPool
+from range_connector.backends.valkey.resp import RespCommandError, RespConnection, RespReplyTooLargeError
 from range_connector.errors import BackendError, BackendTimeoutError
 from range_connector.worker.direct_receive import WriteGate
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from range_connector.backends.base import RangeRead, StripeWrite
-from range_connector.backends.file.backend import DeviceRead, FileBackend, gds_status
+from range_connector.backends.file.backend import FileBackend, gds_status
+from range_connector.backends.file.stripes import DeviceRead
 
 _OK, _REASON = gds_status()
 

@@ -29,7 +29,8 @@ pytest.importorskip("httpx")
 
 import msgpack  # noqa: E402
 
-from range_connector.backends.file.backend import PAGE, FileBackend  # noqa: E402
+from range_connector.backends.file.backend import FileBackend  # noqa: E402
+from range_connector.backends.file.stripes import PAGE  # noqa: E402
 from range_connector.backends.latency import write_control_file  # noqa: E402
 from range_connector.bench.replay_metrics import EngineCounts, engine_counts, settle_metrics, snapshot_metrics  # noqa: E402
 from range_connector.kv.namespace import prefix_hash_chain  # noqa: E402

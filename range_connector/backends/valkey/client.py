@@ -3,8 +3,9 @@
 Keys (``rc2:`` prefix): ``s:<stripe>:<layer>`` layer values, ``m:<stripe>`` manifest (bytes, layers, ticket keys),
 ``t:...`` tickets (see tickets.py), ``lru`` (sorted set of stripes by last use, seconds), ``used`` (bytes of
 stripes), ``l:<stripe>`` lease counters with a time-to-live. Eviction runs inside the server as one Lua script
-(atomic: a stripe is either leased and kept, or removed with every ticket that still points at it). The server's
-own eviction stays off (``noeviction``); a write refused for memory is a skipped save.
+(atomic: a stripe is either leased and kept, or removed with every ticket that still points at it; the scripts:
+:mod:`~range_connector.backends.valkey.scripts`). The server's own eviction stays off (``noeviction``); a write
+refused for memory is a skipped save.
 
 Each call is one pipeline (or one script) with a deadline for the whole call; connection errors and timeouts become
 :class:`BackendError` / :class:`BackendTimeoutError` naming the server.
@@ -24,7 +25,9 @@ import valkey
 import valkey.exceptions as vex
 
 from range_connector.backends.base import Backend, Buffer, RangeRead, ScatterDest, StripeWrite
-from range_connector.backends.valkey.resp import RespPool, RespReplyTooLargeError
+from range_connector.backends.valkey.pool import RespPool
+from range_connector.backends.valkey.resp import RespReplyTooLargeError
+from range_connector.backends.valkey.scripts import FORGET_LUA, LEASE_LUA, RELEASE_LUA, RESERVE_LUA
 from range_connector.errors import BackendError, BackendTimeoutError
 
 logger = logging.getLogger("vllm." + __name__)
@@ -32,126 +35,6 @@ logger = logging.getLogger("vllm." + __name__)
 #: Valkey's default ``proto-max-bulk-len`` (bytes), used when the server does not let us read it.
 DEFAULT_MAX_BULK_BYTES = 512 * 1024 * 1024
 PREFIX = "rc2:"
-
-# Drop one stripe: its layer values, its manifest, the tickets that still point at it (a ticket re-pointed to a newer
-# stripe stays), its write guard and its LRU entry; give its bytes back. Nothing read from the store is trusted: a
-# manifest or ticket that does not parse is skipped, never an error that would block every later eviction.
-_DROP_LUA = """
-local function drop(p, sid)
-  local freed = 0
-  local raw = server.call('GET', p .. 'm:' .. sid)
-  if raw then
-    local ok, man = pcall(cmsgpack.unpack, raw)
-    if ok and type(man) == 'table' then
-      for l = 0, (tonumber(man[2]) or 0) - 1 do server.call('DEL', p .. 's:' .. sid .. ':' .. l) end
-      if type(man[3]) == 'table' then
-        for _, key in ipairs(man[3]) do
-          local t = server.call('GET', key)
-          if t then
-            local tok, tv = pcall(cmsgpack.unpack, t)
-            if tok and type(tv) == 'table' and tv[2] == sid then server.call('DEL', key) end
-          end
-        end
-      end
-      freed = tonumber(man[1]) or 0
-    end
-    server.call('DEL', p .. 'm:' .. sid)
-    if freed > 0 then server.call('DECRBY', p .. 'used', freed) end
-  end
-  server.call('DEL', p .. 'w:' .. sid)
-  server.call('ZREM', p .. 'lru', sid)
-  return freed
-end
-"""
-
-# A lease key ``l:<stripe>`` is a hash of lease token -> expiry (server time, ms); the stripe is leased while any
-# holder's expiry is ahead (expired holders are pruned on the way). The key's own time-to-live is the longest lease.
-_LEASED_LUA = """
-local function now_ms()
-  local t = server.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function leased(key, now)
-  local kind = server.call('TYPE', key).ok
-  if kind == 'none' then return false end
-  if kind ~= 'hash' then return true end
-  local kv, live = server.call('HGETALL', key), false
-  for i = 1, #kv, 2 do
-    if tonumber(kv[i + 1]) > now then live = true else server.call('HDEL', key, kv[i]) end
-  end
-  return live
-end
-"""
-
-# Make room for a stripe of ARGV[2] bytes under a budget of ARGV[3] bytes: evict least-recently-used stripes that
-# hold no lease and are not being written, with the tickets that still point at them. Then register the stripe in
-# the same atomic step (manifest ARGV[5], LRU score ARGV[6], its bytes, and a write guard for ARGV[7] ms that keeps
-# it from being evicted before its values land), so that ``used`` always equals the bytes of the listed stripes,
-# whatever happens to the write afterwards. Returns 1, or 0 if there is no room.
-_RESERVE_LUA = _DROP_LUA + _LEASED_LUA + """
-local p, sid = ARGV[1], ARGV[4]
-local now = now_ms()
-local need = tonumber(ARGV[2])
-local budget = tonumber(ARGV[3])
-if need > budget then return 0 end
-local used = tonumber(server.call('GET', p .. 'used') or '0')
-local idx = 0
-while used + need > budget do
-  local members = server.call('ZRANGE', p .. 'lru', idx, idx)
-  if #members == 0 then return 0 end
-  local victim = members[1]
-  if leased(p .. 'l:' .. victim, now) or server.call('EXISTS', p .. 'w:' .. victim) > 0 then
-    idx = idx + 1
-  else
-    used = used - drop(p, victim)
-  end
-end
-server.call('SET', p .. 'm:' .. sid, ARGV[5])
-server.call('ZADD', p .. 'lru', ARGV[6], sid)
-server.call('INCRBY', p .. 'used', need)
-server.call('SET', p .. 'w:' .. sid, '1', 'PX', ARGV[7])
-return 1
-"""
-
-# Forget the stripe ARGV[2] (a write that failed half-way).
-_FORGET_LUA = _DROP_LUA + """
-drop(ARGV[1], ARGV[2])
-return 1
-"""
-
-# Take a lease with token ARGV[1] for ARGV[2] ms on each key in KEYS (the stripes ARGV[5..] in the same order),
-# extending the key's time-to-live but never shortening it, and mark the stripes used (LRU ARGV[3], score ARGV[4]).
-_LEASE_LUA = _LEASED_LUA + """
-local exp = now_ms() + tonumber(ARGV[2])
-for i, k in ipairs(KEYS) do
-  if server.call('TYPE', k).ok ~= 'hash' then server.call('DEL', k) end
-  server.call('HSET', k, ARGV[1], exp)
-  if server.call('PTTL', k) < tonumber(ARGV[2]) then server.call('PEXPIRE', k, ARGV[2]) end
-  server.call('ZADD', ARGV[3], 'XX', ARGV[4], ARGV[4 + i])
-end
-return 1
-"""
-
-# Release the lease with token ARGV[1] on each key in KEYS (without a token, ARGV[1] == '': the one that expires
-# first); a key without live holders goes.
-_RELEASE_LUA = _LEASED_LUA + """
-local now = now_ms()
-for _, k in ipairs(KEYS) do
-  if server.call('TYPE', k).ok == 'hash' then
-    local field = ARGV[1]
-    if field == '' then
-      local kv, first = server.call('HGETALL', k), nil
-      for i = 1, #kv, 2 do
-        if first == nil or tonumber(kv[i + 1]) < tonumber(first[2]) then first = {kv[i], kv[i + 1]} end
-      end
-      if first then field = first[1] end
-    end
-    server.call('HDEL', k, field)
-    if not leased(k, now) then server.call('DEL', k) end
-  end
-end
-return 1
-"""
 
 
 class ValkeyBackend(Backend):
@@ -198,10 +81,10 @@ class ValkeyBackend(Backend):
             logger.warning("%s: maxmemory-policy is %s; Range manages capacity itself and expects noeviction "
                            "(the server may drop stripes that tickets still promise: those loads then fail and are "
                            "recomputed)", url, policy)
-        self._reserve = self._client.register_script(_RESERVE_LUA)
-        self._forget = self._client.register_script(_FORGET_LUA)
-        self._release = self._client.register_script(_RELEASE_LUA)
-        self._lease = self._client.register_script(_LEASE_LUA)
+        self._reserve = self._client.register_script(RESERVE_LUA)
+        self._forget = self._client.register_script(FORGET_LUA)
+        self._release = self._client.register_script(RELEASE_LUA)
+        self._lease = self._client.register_script(LEASE_LUA)
         # The bulk data path (stripe values, tickets) goes through our own RESP connection, which reads replies
         # straight into the caller's buffers: measured here 3.6-4.1 GiB/s from one loopback server against about
         # 0.5 GiB/s for valkey-py's parser (which allocates a bytes object per reply that must then be copied).
