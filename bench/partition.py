@@ -1,8 +1,8 @@
 """The partitioned-bandwidth sweep (issue 4, item 7): restore a fixed KV payload from S = 1, 2, 4 Valkey servers (one
 per shard) and from one shared server holding the same S shards, in the same run.
 
-The payload (default 256 MiB) is KV of the bench GQA model's layout (``bench/granularity.py``: 32 layers, 8 KV
-heads, head size 128, bf16, block size 32; 128 KiB per token), saved once per case by a real
+The payload (default 256 MiB) is KV of the bench GQA model's layout (``bench/bench_kv_layout.py``: 32 layers, 8
+KV heads, head size 128, bf16, block size 32; 128 KiB per token), saved once per case by a real
 :class:`~range_connector.worker.facade.RangeWorker` over S :class:`~range_connector.backends.valkey.client.ValkeyBackend` shards
 (one stripe per shard: the same bytes and tickets that P rank writers store, see ``tests/unit/test_pcp_rank_view.py``)
 and looked up with a real :class:`~range_connector.scheduler.facade.RangeScheduler` (``stored_prefix``: the min over
@@ -45,14 +45,9 @@ import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from granularity import (  # noqa: E402  (also puts the repository on sys.path)
-    BLOCK_SIZE,
-    BYTES_PER_TOKEN_PER_LAYER,
+from bench_common import (  # noqa: E402  (also puts the repository on sys.path)
     GIB,
-    KV,
     MIB,
-    NUM_LAYERS,
-    Payload,
     busy_cores,
     git_state,
     log,
@@ -61,6 +56,7 @@ from granularity import (  # noqa: E402  (also puts the repository on sys.path)
     versions,
     wait_quiet,
 )
+from bench_kv_layout import BLOCK_SIZE, BYTES_PER_TOKEN_PER_LAYER, KV, NUM_LAYERS, Payload  # noqa: E402
 
 from range_connector.backends.base import RangeRead  # noqa: E402
 from range_connector.backends.valkey.client import ValkeyBackend  # noqa: E402

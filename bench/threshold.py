@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from granularity import busy_cores, git_state, log, machine_info, versions, wait_quiet  # noqa: E402  (puts the repo on the path)
+from bench_common import busy_cores, git_state, log, machine_info, versions, wait_quiet  # noqa: E402  (puts the repo on the path)
 
 from range_connector.backends.latency import write_control_file  # noqa: E402
 from range_connector.cli.calibrate import measure_prefill, model_facts  # noqa: E402
