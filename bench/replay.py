@@ -1,11 +1,11 @@
 """Trace replay: the same trace against vLLM with no connector, with Range, and with vLLM's ExampleConnector.
 
 For each configuration in ``--configs`` (one at a time) this starts a vLLM OpenAI API server on the CPU
-(:class:`range_connector.testing.launch.ServerProcess`), sends one short priming request (first-request one-off costs),
-replays the trace (:func:`range_connector.bench.replay.run_replay`: the first ``--warmup`` requests unmeasured, then the
-rest at the trace's own, scaled timing), reads the engine's ``/metrics`` around the measured part, and stops the
-server. Then it prints a side-by-side table with ratios to ``none`` and writes
-``<results-dir>/replay-<time>.json`` and two PNGs (TTFT CDF, TTFT over time).
+(:class:`range_connector.testing.server_process.ServerProcess`), sends one short priming request (first-request one-off
+costs), replays the trace (:func:`range_connector.bench.replay.run_replay`: the first ``--warmup`` requests unmeasured,
+then the rest at the trace's own, scaled timing), reads the engine's ``/metrics`` around the measured part, and stops
+the server. Then it prints a side-by-side table with ratios to ``none`` and writes ``<results-dir>/replay-<time>.json``
+and two PNGs (TTFT CDF, TTFT over time).
 
 Configurations:
 
@@ -74,13 +74,9 @@ from range_connector.bench.traces import (  # noqa: E402
     read_trace,
 )
 from range_connector.errors import TraceError  # noqa: E402
-from range_connector.testing.launch import (  # noqa: E402
-    ServerError,
-    ServerProcess,
-    complete,
-    connector_config,
-    unwind_on_sigterm,
-)
+from range_connector.testing.client import complete  # noqa: E402
+from range_connector.testing.processes import unwind_on_sigterm  # noqa: E402
+from range_connector.testing.server_process import ServerError, ServerProcess, connector_config  # noqa: E402
 
 CONFIGS = ("none", "range", "example")
 #: Range with a given load mode (``range`` alone: the config default or ``--range-extra``)
@@ -118,7 +114,7 @@ class LMCacheServer:
     """LMCache's multi-process cache server (``lmcache.v1.multiprocess.server``) in its own process group."""
 
     def __init__(self, venv: Path, run_dir: Path, timeout_s: float = 120.0) -> None:
-        from range_connector.testing.launch import free_port
+        from range_connector.testing.processes import free_port
 
         self.python = venv / "bin" / "python"
         if not self.python.exists():

@@ -66,7 +66,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from range_connector.testing.launch import ServerProcess, complete, connector_config, free_port
+from range_connector.testing.client import complete
+from range_connector.testing.processes import free_port
+from range_connector.testing.server_process import ServerProcess, connector_config
 
 if TYPE_CHECKING:
     from range_connector.bench.replay import ReplayReport, ReplayRequest
