@@ -27,8 +27,8 @@ Configurations:
 The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
 trace of :func:`range_connector.bench.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
 ``--conversations --count N``: N requests of whole conversations, see
-:func:`range_connector.bench.traces.sample_conversations`; contiguous slices of the Mooncake conversation trace share
-almost no prefix, because turns of one conversation are minutes apart), ``--time-scale`` and
+:func:`range_connector.bench.trace_transforms.sample_conversations`; contiguous slices of the Mooncake conversation
+trace share almost no prefix, because turns of one conversation are minutes apart), ``--time-scale`` and
 ``--token-scale`` scale it (the hash block shrinks with the tokens; both are printed and stored in the JSON),
 and prompts longer than ``--max-model-len`` are cut. ``--endpoint URL`` replays against a server that is already
 running (any OpenAI-compatible one; ``--metrics-url`` names the engines to read) instead of starting engines.
@@ -66,13 +66,9 @@ if str(REPO) not in sys.path:
 from range_connector.bench.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
 from range_connector.bench.replay_report import format_comparison, write_json, write_plots  # noqa: E402
 from range_connector.bench.synthetic_trace import synthetic_trace  # noqa: E402
-from range_connector.bench.traces import (  # noqa: E402
-    PromptBuilder,
-    Trace,
-    normal_vocab_token_ids,
-    prepare_trace,
-    read_trace,
-)
+from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids  # noqa: E402
+from range_connector.bench.trace_transforms import prepare_trace  # noqa: E402
+from range_connector.bench.traces import Trace, read_trace  # noqa: E402
 from range_connector.errors import TraceError  # noqa: E402
 from range_connector.testing.client import complete  # noqa: E402
 from range_connector.testing.processes import unwind_on_sigterm  # noqa: E402
