@@ -393,7 +393,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from range_connector.cost.estimators import GateConfig
+    from range_connector.cost.gate import GateConfig
     unwind_on_sigterm()
 
     args.probe_interval_note = GateConfig().probe_interval_s
