@@ -1,11 +1,11 @@
 """Trace replay: the same trace against vLLM with no connector, with Range, and with vLLM's ExampleConnector.
 
 For each configuration in ``--configs`` (one at a time) this starts a vLLM OpenAI API server on the CPU
-(:class:`range_connector.testing.launch.ServerProcess`), sends one short priming request (first-request one-off costs),
-replays the trace (:func:`range_connector.bench.replay.run_replay`: the first ``--warmup`` requests unmeasured, then the
-rest at the trace's own, scaled timing), reads the engine's ``/metrics`` around the measured part, and stops the
-server. Then it prints a side-by-side table with ratios to ``none`` and writes
-``<results-dir>/replay-<time>.json`` and two PNGs (TTFT CDF, TTFT over time).
+(:class:`range_connector.testing.server_process.ServerProcess`), sends one short priming request (first-request one-off
+costs), replays the trace (:func:`range_connector.bench.replay.run_replay`: the first ``--warmup`` requests unmeasured,
+then the rest at the trace's own, scaled timing), reads the engine's ``/metrics`` around the measured part, and stops
+the server. Then it prints a side-by-side table with ratios to ``none`` and writes ``<results-dir>/replay-<time>.json``
+and two PNGs (TTFT CDF, TTFT over time).
 
 Configurations:
 
@@ -27,8 +27,8 @@ Configurations:
 The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
 trace of :func:`range_connector.bench.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
 ``--conversations --count N``: N requests of whole conversations, see
-:func:`range_connector.bench.traces.sample_conversations`; contiguous slices of the Mooncake conversation trace share
-almost no prefix, because turns of one conversation are minutes apart), ``--time-scale`` and
+:func:`range_connector.bench.trace_transforms.sample_conversations`; contiguous slices of the Mooncake conversation
+trace share almost no prefix, because turns of one conversation are minutes apart), ``--time-scale`` and
 ``--token-scale`` scale it (the hash block shrinks with the tokens; both are printed and stored in the JSON),
 and prompts longer than ``--max-model-len`` are cut. ``--endpoint URL`` replays against a server that is already
 running (any OpenAI-compatible one; ``--metrics-url`` names the engines to read) instead of starting engines.
@@ -66,22 +66,14 @@ if str(REPO) not in sys.path:
 from range_connector.bench.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
 from range_connector.bench.replay_report import format_comparison, write_json, write_plots  # noqa: E402
 from range_connector.bench.synthetic_trace import synthetic_trace  # noqa: E402
-from range_connector.bench.traces import (  # noqa: E402
-    PromptBuilder,
-    Trace,
-    normal_vocab_token_ids,
-    prepare_trace,
-    read_trace,
-)
+from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids  # noqa: E402
+from range_connector.bench.trace_transforms import prepare_trace  # noqa: E402
+from range_connector.bench.traces import Trace, read_trace  # noqa: E402
 from range_connector.config.parse import with_tier_settings  # noqa: E402
 from range_connector.errors import TraceError  # noqa: E402
-from range_connector.testing.launch import (  # noqa: E402
-    ServerError,
-    ServerProcess,
-    complete,
-    connector_config,
-    unwind_on_sigterm,
-)
+from range_connector.testing.client import complete  # noqa: E402
+from range_connector.testing.processes import unwind_on_sigterm  # noqa: E402
+from range_connector.testing.server_process import ServerError, ServerProcess, connector_config  # noqa: E402
 
 CONFIGS = ("none", "range", "example")
 #: Range with a given load mode (``range`` alone: the config default or ``--range-extra``)
@@ -119,7 +111,7 @@ class LMCacheServer:
     """LMCache's multi-process cache server (``lmcache.v1.multiprocess.server``) in its own process group."""
 
     def __init__(self, venv: Path, run_dir: Path, timeout_s: float = 120.0) -> None:
-        from range_connector.testing.launch import free_port
+        from range_connector.testing.processes import free_port
 
         self.python = venv / "bin" / "python"
         if not self.python.exists():

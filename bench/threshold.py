@@ -1,7 +1,7 @@
 """The threshold sweep (issue 6): does the cost gate load exactly when loading beats recomputing?
 
-Three vLLM CPU API servers (:class:`~range_connector.testing.launch.ServerProcess`) on the bench GQA model (32 layers,
-128 KiB of KV per token), each reused for every cell:
+Three vLLM CPU API servers (:class:`~range_connector.testing.server_process.ServerProcess`) on the bench GQA model (32
+layers, 128 KiB of KV per token), each reused for every cell:
 
 * ``always``: Range connector, file tier (``backend`` ``"file"``, its own directory, in the page cache) behind the
   latency wrapper, ``load_mode`` ``"pipelined"``: every stored prefix is loaded;
@@ -70,15 +70,9 @@ from range_connector.cost.calibration_file import (  # noqa: E402
     write_calibration,
 )
 from range_connector.cost.model import PrefillRate, TierEstimate  # noqa: E402
-from range_connector.testing.launch import (  # noqa: E402
-    ServerProcess,
-    complete,
-    connector_config,
-    reset_prefix_cache,
-    scrape_metrics,
-    unwind_on_sigterm,
-    wait_for_metric,
-)
+from range_connector.testing.client import complete, reset_prefix_cache, scrape_metrics, wait_for_metric  # noqa: E402
+from range_connector.testing.processes import unwind_on_sigterm  # noqa: E402
+from range_connector.testing.server_process import ServerProcess, connector_config  # noqa: E402
 from range_connector.testing.tiny_models import build_model  # noqa: E402
 
 FORMAT_VERSION = 1
@@ -399,7 +393,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from range_connector.cost.estimators import GateConfig
+    from range_connector.cost.gate import GateConfig
     unwind_on_sigterm()
 
     args.probe_interval_note = GateConfig().probe_interval_s

@@ -18,8 +18,8 @@ The trace: by default the built-in synthetic Mooncake-format trace
 prompts, Poisson arrivals at 1/s), token counts x 1/16 (hash block 512 -> 32 tokens; prompts of 43-867 tokens,
 19,406 in all; at best 76% of them can come from a prefix cache). ``--trace FILE`` replays a real Mooncake
 ``.jsonl`` (or Azure ``.csv``) file instead: 100 requests of whole conversations
-(:func:`range_connector.bench.traces.sample_conversations`; contiguous slices share almost nothing), token counts
-x 1/32, arrivals compressed to span ``--duration-s`` (90 s). Every transform is printed and kept in the JSON.
+(:func:`range_connector.bench.trace_transforms.sample_conversations`; contiguous slices share almost nothing), token
+counts x 1/32, arrivals compressed to span ``--duration-s`` (90 s). Every transform is printed and kept in the JSON.
 
 Counting: vLLM counts a P/D prompt on both engines (the prefill engine computes it, the decode engine admits it
 again), so the ``range-pd`` column's engine rows (prompt tokens, local and tier hits, their shares, engine TTFT)
@@ -66,7 +66,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from range_connector.testing.launch import ServerProcess, complete, connector_config, free_port
+from range_connector.testing.client import complete
+from range_connector.testing.processes import free_port
+from range_connector.testing.server_process import ServerProcess, connector_config
 
 if TYPE_CHECKING:
     from range_connector.bench.replay import ReplayReport, ReplayRequest
@@ -197,7 +199,8 @@ def load_trace(trace_path: str | None, *, count: int | None, token_scale: float 
         OSError: The file cannot be opened.
     """
     from range_connector.bench.synthetic_trace import synthetic_trace
-    from range_connector.bench.traces import prepare_trace, read_trace
+    from range_connector.bench.trace_transforms import prepare_trace
+    from range_connector.bench.traces import read_trace
     from range_connector.errors import TraceError
 
     if not duration_s > 0:
@@ -349,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from range_connector.backends.valkey.servers import stop_servers
         from range_connector.bench.replay_report import format_comparison, write_json, write_plots
-        from range_connector.bench.traces import PromptBuilder, normal_vocab_token_ids
+        from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids
         from range_connector.errors import TraceError
         from range_connector.testing.tiny_models import build_model
 

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from range_connector.bench.replay_metrics import EngineCounts, engine_counts, settle_metrics, snapshot_metrics
-from range_connector.bench.traces import PromptBuilder, Trace
+from range_connector.bench.trace_prompts import PromptBuilder
+from range_connector.bench.traces import Trace
 
 __all__ = [
     "ReplayReport",

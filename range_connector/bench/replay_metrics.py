@@ -1,9 +1,9 @@
 """The engines' own view of a replay: deltas of vLLM's Prometheus ``/metrics`` between two readings.
 
-Counters (names as the installed vLLM exports them, ``vllm/v1/metrics/loggers.py``; prometheus_client adds
-``_total`` to counters) are read with :func:`range_connector.testing.launch.scrape_metrics` (summed over label sets). Two
-families are read per label as well: ``vllm:time_to_first_token_seconds_bucket`` (per ``le``, for the engine's TTFT
-percentiles) and ``vllm:prompt_tokens_by_source_total`` (per ``source``: ``local_compute``, ``local_cache_hit``,
+Counters (names as the installed vLLM exports them, ``vllm/v1/metrics/loggers.py``; prometheus_client adds ``_total`` to
+counters) are read with :func:`range_connector.testing.client.scrape_metrics` (summed over label sets). Two families are
+read per label as well: ``vllm:time_to_first_token_seconds_bucket`` (per ``le``, for the engine's TTFT percentiles) and
+``vllm:prompt_tokens_by_source_total`` (per ``source``: ``local_compute``, ``local_cache_hit``,
 ``external_kv_transfer``).
 
 vLLM counts a prompt's tokens once per engine that prefills it, and its external hits at admission
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from range_connector.testing.launch import scrape_metrics
+from range_connector.testing.client import scrape_metrics
 
 __all__ = ["COUNTERS", "RANGE_COUNTERS", "EngineCounts", "MetricsSnapshot", "connector_check", "engine_counts",
            "histogram_quantile", "settle_metrics", "snapshot_metrics"]

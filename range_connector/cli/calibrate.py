@@ -106,7 +106,7 @@ def measure_prefill(base_url: str, prompt_tokens: Sequence[int], *, repeats: int
     Raises:
         httpx.HTTPError: the server failed a request.
     """
-    from range_connector.testing.launch import complete
+    from range_connector.testing.client import complete
 
     rng = np.random.default_rng([seed, time.time_ns()])
 
@@ -314,7 +314,7 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
             prefill_points = measure_prefill(opts.url, opts.prompt_tokens, repeats=opts.prefill_repeats,
                                              vocab_size=vocab)
         else:
-            from range_connector.testing.launch import ServerProcess
+            from range_connector.testing.server_process import ServerProcess
 
             with tempfile.TemporaryDirectory(prefix="range-calibrate-") as work, ServerProcess(
                     opts.model, work_dir=work, max_model_len=max(opts.prompt_tokens) + 16) as server:

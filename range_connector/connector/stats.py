@@ -23,7 +23,7 @@ class RangeConnectorStats(KVConnectorStats):
     ``save_errors``, ``load_backend_errors``, ``load_integrity_errors``, ``load_deadline_misses``. Scheduler names:
     ``lookups``, ``promised_tokens``, ... and the token tally (:class:`LoadTally`: ``loaded_tokens``,
     ``failed_tokens``, ``aborted_tokens``, ``preempted_load_tokens``). The cost-model gate's counters (scheduler
-    side, :meth:`range_connector.cost.estimators.DecisionStats.snapshot`): ``decisions_taken``,
+    side, :meth:`range_connector.cost.gate.DecisionStats.snapshot`): ``decisions_taken``,
     ``decisions_shortened``, ``decisions_refused``, ``decisions_probes``, ``loads_async``, ``loads_pipelined``, and
     ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as floats).
     """

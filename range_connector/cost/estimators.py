@@ -1,4 +1,4 @@
-"""Online estimates of ``R``, ``B`` and ``T0``, and the gate that uses them.
+"""Online estimates of ``R``, ``B`` and ``T0``, for the gate (:mod:`range_connector.cost.gate`).
 
 * :class:`RateEstimator`: ``R`` from the engine's own steps (scheduled prefill tokens, step seconds, context). It
   keeps the *shape* of the calibrated :class:`~range_connector.cost.model.PrefillRate` and learns one speed factor,
@@ -8,9 +8,6 @@
   calibrated line. A load far outside the line (by more than ``jump_ratio`` either way) first rescales the whole
   line to pass through it, so a tier that suddenly slows is refused at the next request and one that recovers is
   taken again after its next probe; :meth:`TierEstimator.should_probe` rate-limits the probes of a refused tier.
-* :class:`DecisionStats`: counters of decisions and predicted vs realised load seconds.
-* :class:`CostGate`: the three together, one call per lookup for the scheduler, seeded from a
-  :class:`~range_connector.cost.calibration_file.Calibration`.
 
 Bounds (sane values, so one bad sample cannot make the model absurd): ``R`` in ``[10, 1e9]`` tokens/s, one step
 sample moves the speed factor by at most 4x; ``B`` in ``[1e5, 1e13]`` bytes/s, ``T0`` in ``[0, 30]`` s.
@@ -18,26 +15,14 @@ sample moves the speed factor by at most 4x; ``B`` in ``[1e5, 1e13]`` bytes/s, `
 
 from __future__ import annotations
 
-import collections
 import math
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from range_connector.cost.model import (
-    Action,
-    Decision,
-    PrefillRate,
-    TierEstimate,
-    combine_shards,
-    decide,
-    load_time_s,
-    recompute_time_s,
-)
+from range_connector.cost.model import PrefillRate, TierEstimate, combine_shards
 
-if TYPE_CHECKING:
-    from range_connector.cost.calibration_file import Calibration
+__all__ = ["MAX_BANDWIDTH_BYTES_PER_S", "MAX_T0_S", "MAX_TOKENS_PER_S", "MIN_BANDWIDTH_BYTES_PER_S",
+           "MIN_TOKENS_PER_S", "RateEstimator", "TierEstimator"]
 
 MIN_TOKENS_PER_S, MAX_TOKENS_PER_S = 10.0, 1e9
 MIN_BANDWIDTH_BYTES_PER_S, MAX_BANDWIDTH_BYTES_PER_S = 1e5, 1e13
@@ -262,208 +247,3 @@ class TierEstimator:
         self._last_probe_s[backend] = now_s
         self._refusals[backend] = 0
         return True
-
-
-_ACTION_COUNTER = {Action.TAKE: "taken", Action.SHORTEN: "shortened", Action.REFUSE: "refused"}
-
-
-@dataclass
-class DecisionStats:
-    """Counters of the gate's decisions, and predicted vs realised load seconds.
-
-    :meth:`snapshot` names: ``decisions_taken``, ``decisions_shortened``, ``decisions_refused``,
-    ``decisions_probes``, ``loads_async``, ``loads_pipelined``, ``predicted_load_s`` and ``realised_load_s`` (sums
-    over the loads whose realised time was reported), ``realised_loads``. ``recent`` keeps the last 256
-    ``(predicted_s, realised_s)`` pairs.
-    """
-
-    counts: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
-    recent: collections.deque[tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=256))
-
-    def record(self, decision: Decision) -> None:
-        """Count one decision (decisions with nothing offered are not counted)."""
-        if decision.offered_tokens == 0:
-            return
-        name = "probes" if decision.is_probe else _ACTION_COUNTER[decision.action]
-        self.counts[f"decisions_{name}"] += 1
-        if decision.action is not Action.REFUSE:
-            self.counts[f"loads_{decision.mode.value}"] += 1
-
-    def record_load(self, predicted_s: float, realised_s: float) -> None:
-        """Record one finished load: the decision's ``load_s`` and the measured seconds."""
-        if math.isfinite(predicted_s) and math.isfinite(realised_s):
-            self.counts["predicted_load_s"] += predicted_s
-            self.counts["realised_load_s"] += realised_s
-            self.counts["realised_loads"] += 1
-            self.recent.append((predicted_s, realised_s))
-
-    def snapshot(self) -> dict[str, float]:
-        """The counters as a plain dict (for the connector's stats)."""
-        return dict(self.counts)
-
-
-# ------------------------------------------------------------------------------------------------ the gate
-@dataclass(frozen=True, slots=True)
-class GateConfig:
-    """Parameters of :class:`CostGate`.
-
-    Without a calibration file the seeds are optimistic (fast tier, slow prefill), so hits are taken, as without a
-    gate, until measured loads and steps say otherwise.
-
-    Attributes:
-        async_step_ratio: a load longer than this many typical steps is asynchronous.
-        min_saving_s: a hit must save more than this many seconds.
-        probe_interval_s: least seconds between two probes of a refused tier.
-        probe_every_refusals: least refused offers between two probes. A probe costs about one chunk's transfer
-            minus its compute, a sizeable share of a request when the tier is slow; when requests come further apart
-            than ``probe_interval_s`` (seconds-long prefills on a CPU engine), the interval alone would make every
-            refused request a probe (seen in bench/threshold.py); 4 keeps that share <= 1/4 and still re-measures a
-            recovered tier within ~4 requests.
-        seed_tokens_per_s: ``R`` before calibration or samples.
-        seed_bandwidth_bytes_per_s: ``B`` per shard before calibration or samples.
-        seed_t0_s: ``T0`` before calibration or samples.
-        seed_step_s: typical step length before samples.
-        rate_alpha: weight of the newest step in the rate estimate.
-        tier_alpha: weight of the newest load in the tier estimate.
-        jump_ratio: a load this many times off the prediction rescales the tier's line at once.
-        probe_jump_ratio: the same for a probe of a refused tier (its only fresh sample: trusted sooner).
-    """
-
-    async_step_ratio: float = 1.0
-    min_saving_s: float = 0.0
-    probe_interval_s: float = 1.0
-    probe_every_refusals: int = 4
-    seed_tokens_per_s: float = 2000.0
-    seed_bandwidth_bytes_per_s: float = 1e10
-    seed_t0_s: float = 0.001
-    seed_step_s: float = 0.05
-    rate_alpha: float = 0.2
-    tier_alpha: float = 0.3
-    jump_ratio: float = 2.0
-    probe_jump_ratio: float = 1.25
-
-
-class CostGate:
-    """The admission gate of one scheduler: estimators, decisions and their counters.
-
-    Args:
-        backend: the tier's type (``RangeConfig.tier.type``).
-        num_shards: shards read in parallel by every load.
-        bytes_per_token: ``s``, all layers and shards (:func:`~range_connector.cost.model.layout_bytes_per_token`).
-        num_layers: attention layers.
-        block_size: engine block size, tokens.
-        chunk_tokens: reuse granularity, tokens.
-        calibration: seeds (``None``: :class:`GateConfig`'s).
-        config: parameters.
-    """
-
-    def __init__(self, backend: str, num_shards: int, bytes_per_token: float, num_layers: int, block_size: int,
-                 chunk_tokens: int, calibration: Calibration | None = None, config: GateConfig | None = None) -> None:
-        self.config = config = config or GateConfig()
-        # The DRAM tier keeps every shard in one process's memory: a load reads them all from one place.
-        self.backend, self.num_shards = backend, 1 if backend == "memory" else num_shards
-        self.bytes_per_token, self.num_layers = bytes_per_token, num_layers
-        self.block_size, self.chunk_tokens = block_size, chunk_tokens
-        prefill = calibration.prefill if calibration is not None else None
-        self.rates = RateEstimator(prefill or PrefillRate.constant(config.seed_tokens_per_s),
-                                   alpha=config.rate_alpha, seed_step_s=config.seed_step_s)
-        self.tiers = TierEstimator(calibration.tiers if calibration is not None else {},
-                                   TierEstimate(config.seed_bandwidth_bytes_per_s, config.seed_t0_s),
-                                   alpha=config.tier_alpha, jump_ratio=config.jump_ratio,
-                                   probe_interval_s=config.probe_interval_s,
-                                   probe_every_refusals=config.probe_every_refusals,
-                                   probe_jump_ratio=config.probe_jump_ratio)
-        self.stats = DecisionStats()
-
-    def decide(self, prompt_tokens: int, num_computed_tokens: int, hit_tokens: int,
-               now_s: float | None = None) -> Decision:
-        """Decide one lookup (side-effect free except for the probe clock; see :func:`~.cost_model.decide`).
-
-        Args:
-            prompt_tokens: prompt length.
-            num_computed_tokens: tokens vLLM already has.
-            hit_tokens: the stored prefix, block-rounded, at most ``prompt_tokens - 1``.
-            now_s: ``time.monotonic()`` by default (tests pass simulated time).
-
-        Raises:
-            ValueError: inconsistent inputs.
-        """
-        args = self._decide_args()
-        d = decide(prompt_tokens, num_computed_tokens, hit_tokens, **args)
-        if d.action is Action.REFUSE and d.offered_tokens > 0:
-            if self.tiers.should_probe(self.backend, time.monotonic() if now_s is None else now_s):
-                d = decide(prompt_tokens, num_computed_tokens, hit_tokens, probe=True, **args)
-        return d
-
-    def refuses_any_hit(self, prompt_tokens: int, num_computed_tokens: int,
-                        now_s: float | None = None) -> Decision | None:
-        """The refusal of the largest hit this prompt could have (all of it but its last token), when even that
-        would not pay and no probe is due, else ``None``: a request the tier cannot help, whatever is stored.
-
-        With it the scheduler skips the request's lookup and save (a tier slower than recompute then costs the
-        engine nothing but its probes). Counts as one refused offer toward the next probe.
-
-        Raises:
-            ValueError: inconsistent inputs.
-        """
-        best = (max(0, prompt_tokens - 1) // self.block_size) * self.block_size
-        if best <= num_computed_tokens:
-            return None
-        d = decide(prompt_tokens, num_computed_tokens, best, **self._decide_args())
-        if d.action is not Action.REFUSE:
-            return None
-        if self.tiers.probe_due(self.backend, time.monotonic() if now_s is None else now_s):
-            return None  # looked up as usual, so that decide() can make this request the probe
-        self.tiers.note_refusal(self.backend)
-        return d
-
-    def predict_s(self, num_computed_tokens: int, hit_tokens: int) -> tuple[float, float]:
-        """Predicted seconds to load prompt positions ``[num_computed_tokens, hit_tokens)`` and to recompute them
-        instead (``T0 + h·s/B`` and ``Y``: :func:`~.cost_model.load_time_s`, :func:`~.cost_model.recompute_time_s`),
-        for a load whose mode the configuration chose.
-
-        Raises:
-            ValueError: ``hit_tokens < num_computed_tokens`` or a negative count.
-        """
-        tier = self.tiers.combined(self.backend, self.num_shards)
-        return (load_time_s(hit_tokens - num_computed_tokens, self.bytes_per_token, tier.bandwidth_bytes_per_s,
-                            tier.t0_s),
-                recompute_time_s(hit_tokens - num_computed_tokens, num_computed_tokens, self.rates.rate))
-
-    def _decide_args(self) -> dict:
-        return dict(bytes_per_token=self.bytes_per_token, tier=self.tiers.combined(self.backend, self.num_shards),
-                    rate=self.rates.rate, num_layers=self.num_layers, block_size=self.block_size,
-                    chunk_tokens=self.chunk_tokens, step_s=self.rates.step_s,
-                    async_step_ratio=self.config.async_step_ratio, min_saving_s=self.config.min_saving_s)
-
-    @staticmethod
-    def deadline_s(load_s: float, recompute_s: float, min_s: float, max_s: float) -> float:
-        """A load's deadline, seconds: twice its expected time ``load_s``, at most what recomputing its tokens would
-        cost (``recompute_s``: past that, waiting can only lose), within ``[min_s, max_s]`` (``min_s`` keeps timer
-        noise and a first, seed-based estimate from failing healthy loads; ``max_s`` is the configured
-        ``load_deadline_s``). DESIGN.md §4 "Load": a slow tier holds a request no longer than this.
-        """
-        return min(max_s, max(min_s, min(2.0 * load_s, recompute_s)))
-
-    def commit(self, decision: Decision) -> None:
-        """Count a decision vLLM acted on (call once per request, not once per lookup)."""
-        self.stats.record(decision)
-
-    def shard_bytes(self, decision: Decision) -> int:
-        """Bytes each shard delivers for ``decision``'s load."""
-        return round(decision.num_new_tokens * self.bytes_per_token / self.num_shards)
-
-    def observe_load(self, shard_idx: int, num_bytes: int, seconds: float, *, lower_bound: bool = False,
-                     probe: bool = False) -> None:
-        """Learn from one shard's finished load (worker-measured, submission to last byte; ``lower_bound``: it ran
-        out of its deadline after ``seconds``; ``probe``: a probe of a refused tier; see
-        :meth:`TierEstimator.observe`)."""
-        self.tiers.observe(self.backend, shard_idx, num_bytes, seconds, lower_bound=lower_bound, probe=probe)
-
-    def record_load(self, decision: Decision, realised_s: float) -> None:
-        """Record the whole load's realised seconds against ``decision.load_s``."""
-        self.stats.record_load(decision.load_s, realised_s)
-
-    def observe_step(self, num_prefill_tokens: int, step_s: float, context_tokens: int = 0) -> None:
-        """Learn from one engine step (see :meth:`RateEstimator.observe`)."""
-        self.rates.observe(num_prefill_tokens, step_s, context_tokens)

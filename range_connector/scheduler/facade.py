@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from range_connector.backends.base import Backend
 from range_connector.config import RangeConfig
 from range_connector.cost.calibration_file import load_calibration
-from range_connector.cost.estimators import CostGate
-from range_connector.cost.model import Action, Decision, layout_bytes_per_token
+from range_connector.cost.decision import Action, Decision
+from range_connector.cost.gate import CostGate
+from range_connector.cost.model import layout_bytes_per_token
 from range_connector.errors import BackendError
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.kv.namespace import ChunkHash, prefix_hash_chain, request_salt, tail_chunk_hash

@@ -20,16 +20,15 @@ pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
 from range_connector.backends.valkey.servers import server_status, stop_servers  # noqa: E402
-from range_connector.testing.launch import (  # noqa: E402
+from range_connector.testing.client import (  # noqa: E402
     CompletionResult,
-    ServerProcess,
     complete,
-    connector_config,
-    process_group_pids,
     reset_prefix_cache,
     scrape_metrics,
     wait_for_metric,
 )
+from range_connector.testing.processes import process_group_pids  # noqa: E402
+from range_connector.testing.server_process import ServerProcess, connector_config  # noqa: E402
 
 pytestmark = pytest.mark.engine
 

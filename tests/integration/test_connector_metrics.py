@@ -35,7 +35,8 @@ from range_connector.backends.latency import write_control_file  # noqa: E402
 from range_connector.bench.replay_metrics import EngineCounts, engine_counts, settle_metrics, snapshot_metrics  # noqa: E402
 from range_connector.kv.namespace import prefix_hash_chain  # noqa: E402
 from range_connector.kv.tickets import ticket_key  # noqa: E402
-from range_connector.testing.launch import CompletionResult, ServerProcess, complete, connector_config  # noqa: E402
+from range_connector.testing.client import CompletionResult, complete  # noqa: E402
+from range_connector.testing.server_process import ServerProcess, connector_config  # noqa: E402
 from tests.integration.harness import prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.engine

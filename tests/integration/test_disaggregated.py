@@ -21,15 +21,9 @@ httpx = pytest.importorskip("httpx")
 
 from range_connector.backends.latency import write_control_file  # noqa: E402
 from range_connector.backends.valkey.servers import stop_servers  # noqa: E402
-from range_connector.testing.launch import (  # noqa: E402
-    ServerProcess,
-    complete,
-    connector_config,
-    free_port,
-    reset_prefix_cache,
-    scrape_metrics,
-    wait_for_metric,
-)
+from range_connector.testing.client import complete, reset_prefix_cache, scrape_metrics, wait_for_metric  # noqa: E402
+from range_connector.testing.processes import free_port  # noqa: E402
+from range_connector.testing.server_process import ServerProcess, connector_config  # noqa: E402
 from range_connector.testing.tiny_models import build_model, prompt_token_ids  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

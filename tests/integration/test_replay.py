@@ -32,8 +32,10 @@ from range_connector.backends.valkey.servers import stop_servers  # noqa: E402
 from range_connector.bench.replay import ReplayRequest, build_requests, run_replay  # noqa: E402
 from range_connector.bench.replay_report import comparison_rows, format_comparison, write_json, write_plots  # noqa: E402
 from range_connector.bench.synthetic_trace import synthetic_trace  # noqa: E402
-from range_connector.bench.traces import PromptBuilder, normal_vocab_token_ids, prepare_trace  # noqa: E402
-from range_connector.testing.launch import ServerProcess, connector_config, scrape_metrics  # noqa: E402
+from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids  # noqa: E402
+from range_connector.bench.trace_transforms import prepare_trace  # noqa: E402
+from range_connector.testing.client import scrape_metrics  # noqa: E402
+from range_connector.testing.server_process import ServerProcess, connector_config  # noqa: E402
 
 pytestmark = pytest.mark.engine
 

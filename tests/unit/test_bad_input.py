@@ -9,7 +9,7 @@ import pytest
 
 from range_connector.config import RangeConfig
 from range_connector.errors import ConfigError
-from range_connector.testing.launch import ServerProcess, check_model_dir
+from range_connector.testing.server_process import ServerProcess, check_model_dir
 from range_connector.testing.tiny_models import build_model
 
 

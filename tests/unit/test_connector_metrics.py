@@ -20,7 +20,7 @@ from range_connector.connector.stats import RangeConnectorStats, RangePromMetric
 from range_connector.kv.metadata import ChunkTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE, LoadTally, tokens_per_chunk
-from range_connector.testing.launch import free_port
+from range_connector.testing.processes import free_port
 from tests.unit.test_scheduler_worker import (
     Engine,
     FakeRequest,

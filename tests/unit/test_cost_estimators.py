@@ -21,19 +21,18 @@ from range_connector.cost.calibration_file import (
     load_calibration,
     write_calibration,
 )
+from range_connector.cost.decision import Action, decide
 from range_connector.cost.estimators import (
     MAX_BANDWIDTH_BYTES_PER_S,
     MAX_T0_S,
     MAX_TOKENS_PER_S,
     MIN_BANDWIDTH_BYTES_PER_S,
     MIN_TOKENS_PER_S,
-    CostGate,
-    DecisionStats,
-    GateConfig,
     RateEstimator,
     TierEstimator,
 )
-from range_connector.cost.model import Action, PrefillRate, TierEstimate, decide
+from range_connector.cost.gate import CostGate, DecisionStats, GateConfig
+from range_connector.cost.model import PrefillRate, TierEstimate
 from range_connector.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,5 @@
-"""The cost model's formulas and decision (``range_connector.cost.model``), checked against the published figures.
+"""The cost model's formulas and decision (``range_connector.cost.model``, ``range_connector.cost.decision``), checked
+against the published figures.
 
 Published (arXiv 2610.21500, as quoted in DESIGN.md §5): ``B* = s·R = 2.53 GB/s``, ``T0 = 0.33 s``, prompts shorter
 than about 17k tokens never win at any bandwidth, a 16k-token prompt recomputes in 0.31 s while its remote hit took
@@ -14,14 +15,12 @@ import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
+from range_connector.cost.decision import Action, LoadMode, decide
 from range_connector.cost.model import (
-    Action,
-    LoadMode,
     PrefillRate,
     TierEstimate,
     break_even_bandwidth_bytes_per_s,
     combine_shards,
-    decide,
     layout_bytes_per_token,
     load_time_s,
     min_winning_prompt_tokens,

@@ -280,7 +280,8 @@ def test_a_load_predicted_to_miss_its_deadline_is_not_started_and_the_tier_is_pr
     # (bounded by the 0.4 s that recomputing it costs), so starting it could only make the request wait 0.4 s and then
     # recompute. The hit is not offered; one of its chunks is read in the background instead, and the tier, in fact
     # fast, is offered again once that timing is back. No request waited, nothing was written into the KV cache.
-    from range_connector.cost.estimators import CostGate, GateConfig, RateEstimator
+    from range_connector.cost.estimators import RateEstimator
+    from range_connector.cost.gate import CostGate, GateConfig
     from range_connector.cost.model import PrefillRate
 
     inner = shard_backends(1, 1)
@@ -418,7 +419,7 @@ def test_mismatched_producer_settings_are_named_and_never_waited_for(caplog) -> 
 # ---------------------------------------------------------------------------------------------------- the cost gate
 @pytest.mark.timeout(60)
 def test_auto_mode_takes_a_hit_on_a_fast_tier_refuses_it_on_a_slow_one_and_learns_from_loads() -> None:
-    from range_connector.cost.estimators import CostGate, GateConfig
+    from range_connector.cost.gate import CostGate, GateConfig
 
     inner = shard_backends(1, 1)
     prompt = prompt_tokens(150, seed=80)
@@ -450,7 +451,7 @@ def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast() 
     # The gate believes the tier delivers 1 kB/s (clamped to 100 kB/s; recomputing the hit: 0.26 s): it refuses, and instead of making the request load a chunk to
     # re-measure it, the worker reads one stored chunk in the background; the tier is in fact fast, so the probe's
     # timing brings the hit back. No request waited for the probe, and nothing was written into the KV cache.
-    from range_connector.cost.estimators import CostGate, GateConfig
+    from range_connector.cost.gate import CostGate, GateConfig
 
     inner = shard_backends(2, 2)
     prompt = prompt_tokens(150, seed=84)
@@ -489,7 +490,7 @@ def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast() 
 def test_a_tier_that_cannot_pay_for_any_hit_is_neither_looked_up_nor_written_between_probes() -> None:
     # The gate believes the tier delivers 1 kB/s: even a whole-prompt hit would lose to recomputing. Between probes a
     # request costs the tier nothing: no lookup, no save (counted from the backend's own call counters).
-    from range_connector.cost.estimators import CostGate, GateConfig
+    from range_connector.cost.gate import CostGate, GateConfig
 
     flaky = wrap(shard_backends(1, 1))
     b = Engine(flaky, seed=87, load_mode="auto")  # type: ignore[arg-type]

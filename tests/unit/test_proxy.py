@@ -24,7 +24,7 @@ import pytest
 
 from range_connector.cli import main
 from range_connector.serving.proxy import Policy, ProxyConfig, ProxyServer
-from range_connector.testing.launch import free_port
+from range_connector.testing.processes import free_port
 from tests.unit.stub_engines import RANGE_SETTINGS, LoopThread, Stack, StubEngine, sse_events
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import pytest
 
 from range_connector.bench.replay import ReplayRequest, RequestResult, replay_requests, run_replay, summarize
 from range_connector.bench.replay_metrics import histogram_quantile
-from range_connector.testing.launch import free_port
+from range_connector.testing.processes import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,21 +12,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from range_connector.bench.synthetic_trace import synthetic_trace
-from range_connector.bench.traces import (
-    MOONCAKE_BLOCK_TOKENS,
-    PromptBuilder,
-    Trace,
-    TraceRequest,
-    best_prefix_hit_share,
+from range_connector.bench.trace_prompts import PromptBuilder
+from range_connector.bench.trace_transforms import (
     cap_lengths,
     prepare_trace,
-    read_azure,
-    read_mooncake,
-    read_trace,
     sample_conversations,
     scale_time,
     scale_tokens,
     slice_trace,
+)
+from range_connector.bench.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    Trace,
+    TraceRequest,
+    best_prefix_hit_share,
+    read_azure,
+    read_mooncake,
+    read_trace,
     write_mooncake,
 )
 from range_connector.errors import TraceError
