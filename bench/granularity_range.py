@@ -25,7 +25,7 @@ from bench_kv_layout import BLOCK_SIZE, BYTES_PER_TOKEN_PER_LAYER, HEAD_SIZE, KV
 
 from range_connector.backends.base import Backend
 from range_connector.backends.memory import MemoryBackend
-from range_connector.config import RangeConfig
+from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
 from range_connector.kv.namespace import namespace_fingerprint, prefix_hash_chain
 from range_connector.scheduler.facade import RangeScheduler
@@ -157,8 +157,9 @@ class RangeCase:
 
     def setup(self) -> None:
         args, C = self.args, self.C
-        config = RangeConfig(backend=self.backend, chunk_tokens=C, num_shards=1, load_deadline_s=600.0,
-                             backend_timeout_s=300.0, verify_checksums=True, memory_capacity_bytes=0)
+        tier = TierConfig(self.backend, timeout_s=300.0, capacity_bytes=0)
+        config = RangeConfig(tiers=(tier,), chunk_tokens=C, num_shards=1, load_deadline_s=600.0,
+                             verify_checksums=True)
         info: dict[str, Any] = {}
         if self.backend == "memory":
             mem = MemoryBackend(capacity_bytes=None)

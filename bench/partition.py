@@ -61,7 +61,7 @@ from bench_kv_layout import BLOCK_SIZE, BYTES_PER_TOKEN_PER_LAYER, KV, NUM_LAYER
 from range_connector.backends.base import RangeRead  # noqa: E402
 from range_connector.backends.valkey.client import ValkeyBackend  # noqa: E402
 from range_connector.backends.valkey.servers import ensure_servers, stop_servers  # noqa: E402
-from range_connector.config import RangeConfig  # noqa: E402
+from range_connector.config import RangeConfig, TierConfig  # noqa: E402
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer  # noqa: E402
 from range_connector.kv.namespace import namespace_fingerprint, prefix_hash_chain  # noqa: E402
 from range_connector.scheduler.facade import RangeScheduler  # noqa: E402
@@ -148,8 +148,9 @@ class Case:
 
     def setup(self) -> None:
         args, S = self.args, self.S
-        config = RangeConfig(backend="valkey", num_shards=S, chunk_tokens=CHUNK_TOKENS, valkey_urls=tuple(self.urls),
-                             load_deadline_s=600.0, backend_timeout_s=300.0).resolve(BLOCK_SIZE)
+        tier = TierConfig("valkey", servers=tuple(self.urls), timeout_s=300.0)
+        config = RangeConfig(tiers=(tier,), num_shards=S, chunk_tokens=CHUNK_TOKENS,
+                             load_deadline_s=600.0).resolve(BLOCK_SIZE)
         ns = namespace_fingerprint({"bench": "partition", "case": self.name, "run": args.run_tag})
         saver_b = [ValkeyBackend(u, timeout_s=300.0) for u in self.urls]
         saver = RangeWorker(config, BLOCK_SIZE, self.payload.kv.layer_names, self.payload.kv.num_blocks, saver_b)

@@ -8,8 +8,8 @@ layers, 128 KiB of KV per token), each reused for every cell:
 * ``never``: no connector: every prompt is recomputed;
 * ``gate``: the same connector with ``load_mode`` ``"auto"``, seeded with the calibration file written here.
 
-Both connector engines read one tier control file (``tier_control_file``), so the tier's bandwidth is switched
-between cells while the engines run.
+Both connector engines read one tier control file (the file tier's ``testing.control_file``), so the tier's
+bandwidth is switched between cells while the engines run.
 
 1. **Calibration** (before the gate starts, since it reads the file at start-up): ``R`` from a prefill sweep on
    ``never`` (:func:`range_connector.cli.calibrate.measure_prefill`, fresh random prompts, fitted by
@@ -417,12 +417,15 @@ def main(argv: list[str] | None = None) -> int:
         write_control_file(control_file, delay_s=0.0, bandwidth_bytes_per_s=0.0, frozen=False)
         # The file tier (page cache) behind the wrapper: reads are charged by the bytes read. (The DRAM tier lends
         # whole stripes as views, which the wrapper charges in full: a one-chunk probe would cost a whole prompt.)
-        common = {"backend": "file", "chunk_tokens": CHUNK_TOKENS, "tier_control_file": str(control_file)}
+        common = {"chunk_tokens": CHUNK_TOKENS}
+
+        def file_tier(directory: Path) -> list[dict[str, Any]]:
+            return [{"type": "file", "directory": str(directory), "testing": {"control_file": str(control_file)}}]
         if args.load_deadline_s is not None:
             common["load_deadline_s"] = args.load_deadline_s
         engines = {"never": Engine("never", args.model_dir, work, args, None),
                    "always": Engine("always", args.model_dir, work, args,
-                                    {**common, "load_mode": "pipelined", "file_dir": str(work / "kv-always")})}
+                                    {**common, "load_mode": "pipelined", "tiers": file_tier(work / "kv-always")})}
         try:
             for e in engines.values():
                 e.server.start()
@@ -436,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"B* = s.R = {cal['b_star_bytes_per_s'] / 1e9:.3f} GB/s")
             engines["gate"] = Engine("gate", args.model_dir, work, args,
                                      {**common, "load_mode": "auto", "calibration_file": str(cal_file),
-                                      "file_dir": str(work / "kv-gate")})
+                                      "tiers": file_tier(work / "kv-gate")})
             engines["gate"].server.start()
             log(f"gate: ready in {engines['gate'].server.wait_ready(args.start_timeout_s):.0f} s")
             doc["calibration"] = {k: v for k, v in cal.items() if k not in ("calibration", "rate")}

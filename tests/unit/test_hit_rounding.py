@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from range_connector.scheduler.facade import hit_tokens
+from range_connector.scheduler.planning import hit_tokens
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -45,12 +45,13 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 
 from range_connector.backends.base import Backend, RangeRead, ScatterDest, StripeWrite
 from range_connector.backends.memory import MemoryBackend
-from range_connector.config import RangeConfig
+from range_connector.config import RangeConfig, TierConfig
 from range_connector.errors import BackendError, BackendTimeoutError
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata
 from range_connector.kv.namespace import ChunkHash, prefix_hash_chain
 from range_connector.kv.tickets import Ticket, ticket_key
-from range_connector.scheduler.facade import RangeScheduler, hit_tokens
+from range_connector.scheduler.facade import RangeScheduler
+from range_connector.scheduler.planning import hit_tokens
 from range_connector.worker.facade import RangeWorker
 
 BLOCK = 16
@@ -255,6 +256,10 @@ class StepResult:
     finished_recving: set[str] = field(default_factory=set)
 
 
+#: the tier's settings among ``Engine(**config)`` (flat shorthand name -> TierConfig field)
+TIER_KWARGS = {"backend_timeout_s": "timeout_s", "backend_retry_s": "retry_s"}
+
+
 class Engine:
     """One engine: a scheduler half, a worker half, its own KV tensors and a shuffled block pool."""
 
@@ -264,7 +269,8 @@ class Engine:
         # This engine has no forward pass for the cost model to measure: its seed estimates would give every load a
         # deadline of min_load_deadline_s, which a busy test machine can overrun. Tests of deadlines set their own.
         config.setdefault("min_load_deadline_s", 5.0)
-        self.config = RangeConfig(backend="memory", num_shards=num_shards, chunk_tokens=chunk_tokens,
+        tier = TierConfig("memory", **{new: config.pop(old) for old, new in TIER_KWARGS.items() if old in config})
+        self.config = RangeConfig(tiers=(tier,), num_shards=num_shards, chunk_tokens=chunk_tokens,
                                   **config).resolve(BLOCK)
         self.kind = kind
         self.worker = RangeWorker(self.config, BLOCK, LAYERS, NUM_BLOCKS, backends)
@@ -1204,7 +1210,7 @@ def test_dram_index_learns_saves_and_evictions_from_worker_metadata() -> None:
     assert saved_hashes(s2.worker_meta) == hashes[2:4]
     assert s2.worker_meta is not None and s2.worker_meta.dropped == hashes[:2]
     assert dram.get_tickets([ticket_key(hashes[0], 0), ticket_key(hashes[1], 0)]) == [None, None]
-    assert list(eng.sched._index) == hashes[2:4]
+    assert list(eng.sched.lookup.index) == hashes[2:4]
     assert eng.sched.get_num_new_matched_tokens(probe, 0) == (0, False)  # the prefix starts with a gap: a miss
     eng.sched.request_finished(probe, [])
     eng.finish("D-0")
@@ -1247,7 +1253,7 @@ def test_dram_index_loads_byte_exact_and_forgets_a_corrupt_chunk() -> None:
     src = list(eng.running["D-0"].block_ids)
     eng.finish("D-0")
     saved = snapshot(eng.kv)
-    t = eng.sched._index[hashes[3]][0]
+    t = eng.sched.lookup.index[hashes[3]][0]
     mutate_stored_value(dram, t.stripe_id, 3, flip_byte(t.plane_range(0)[0] + 1))
 
     assert eng.admit(FakeRequest("D-1", prompt)) == 128
@@ -1257,7 +1263,7 @@ def test_dram_index_loads_byte_exact_and_forgets_a_corrupt_chunk() -> None:
     for i in range(6):
         assert same_block(res.after_load, dst[i], saved, src[i])
     assert res.worker_meta is not None and res.worker_meta.dropped == [hashes[3]]
-    assert list(eng.sched._index) == hashes[:3]
+    assert list(eng.sched.lookup.index) == hashes[:3]
     assert eng.sched.get_num_new_matched_tokens(FakeRequest("probe", prompt), 0) == (96, False)
     eng.close()
 
@@ -1543,7 +1549,7 @@ def test_promised_stripes_are_leased_on_every_shard_until_the_load_finishes(num_
         stripes = {stored_ticket(m, h, s, blocks_per_shard=bps).stripe_id for h in hashes[:4]}  # type: ignore
         assert len(stripes) == 2
         assert m.num_leases() == 2  # type: ignore[attr-defined]
-        assert sorted(b.sched._leases["B-0"][s][0]) == sorted(stripes)
+        assert sorted(b.sched.leases.held["B-0"][s][0]) == sorted(stripes)
         assert flaky[s].calls["lease"] == 1  # one call per shard, both stripes
     res = b.step()
     assert res.invalid_block_ids == set()

@@ -1,0 +1,174 @@
+"""Admission of hits through the cost model (DESIGN.md §5): with ``load_mode`` ``auto`` the gate takes, shortens or
+refuses each hit and picks its load mode; in the fixed modes a load predicted to miss its own deadline is not
+started. A refused tier that lives elsewhere is re-measured by a background probe (the worker reads one stored
+chunk; :mod:`range_connector.worker.probes`), one in flight at a time, so that a tier that recovers is offered
+again. The gate learns ``R`` from the engine's steps and ``B``, ``T0`` from the workers' loads and probes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import MutableMapping
+from typing import Any
+
+from range_connector.config import RangeConfig
+from range_connector.cost.decision import Action, Decision
+from range_connector.cost.gate import CostGate
+from range_connector.kv.metadata import RangeWorkerMetadata
+from range_connector.kv.tickets import Ticket
+from range_connector.scheduler.planning import LookupResult
+
+
+class Admission:
+    """The gate's part in one engine's lookups.
+
+    Args:
+        config: resolved config (``load_mode``, deadlines, the tier's ``timeout_s``).
+        gate: the cost gate, or ``None`` (a producer, or a layout not known yet: every hit is taken).
+        chunk_tokens: tokens per chunk.
+        remote: the tier lives elsewhere (Valkey, files): probes are background reads, not loads.
+        stats: the scheduler's counters (``loads_not_started_late``, ``late_load_probes``).
+
+    Attributes:
+        probes: ``[num_shards]`` tickets of one stored chunk per probe, for the next step's metadata.
+        decisions: ``req_id -> `` the decision vLLM acted on (matched with the load's realised time).
+    """
+
+    def __init__(self, config: RangeConfig, gate: CostGate | None, chunk_tokens: int, *, remote: bool,
+                 stats: MutableMapping[str, int]) -> None:
+        self.config = config
+        self.gate = gate
+        self.chunk_tokens = chunk_tokens
+        self.remote = remote
+        self.stats = stats
+        self.probes: list[tuple[Ticket, ...]] = []
+        self.decisions: dict[str, Decision] = {}
+        self._probe_until = 0.0  # monotonic time until which a probe is in flight
+        #: (when the last step was built, its scheduled tokens, its request ids)
+        self._last_step: tuple[float, int, set[str]] | None = None
+
+    def refused_unseen(self, num_prompt_tokens: int, num_computed_tokens: int, *, pending: bool) -> Decision | None:
+        """With ``load_mode`` ``auto`` on a tier that lives elsewhere: the gate's refusal when no hit of this prompt
+        could pay (the tier is slower than recompute for it) and no probe is due; the request is then neither
+        looked up nor saved (:meth:`CostGate.refuses_any_hit`). A request whose previous lookup is still running
+        (``pending``) is always looked up."""
+        if self.gate is None or self.config.load_mode != "auto" or not self.remote or pending:
+            return None
+        decision = self.gate.refuses_any_hit(num_prompt_tokens, num_computed_tokens)
+        if decision is None:
+            return None
+        # (counted as a refusal: its offered_tokens is the prompt's largest possible hit, not a stored one)
+        return dataclasses.replace(decision, hit_tokens=num_computed_tokens, reason="not looked up: " + decision.reason)
+
+    def decide(self, lookup: LookupResult, num_prompt_tokens: int) -> None:
+        """``load_mode`` ``auto``: the gate weighs the lookup's hit against recomputing it and sets its decision,
+        hit and load mode (a probe of a remote tier becomes a background read and the hit is refused)."""
+        if self.gate is None:
+            return
+        c = lookup.num_computed_tokens
+        decision = self.gate.decide(num_prompt_tokens, c, lookup.num_hit_tokens)
+        if decision.is_probe and self.remote:
+            if self._probe_slot_free(lookup):
+                self._queue_probe(lookup)
+            decision = dataclasses.replace(decision, action=Action.REFUSE, hit_tokens=c, num_new_tokens=0,
+                                           with_load_s=decision.without_load_s,
+                                           reason="probe: one chunk read in the background")
+        lookup.decision = decision
+        lookup.num_hit_tokens = max(c, decision.hit_tokens)
+        lookup.mode = decision.mode.value
+
+    def check_deadline(self, lookup: LookupResult) -> None:
+        """The fixed load modes: predict the hit's load, and in ``pipelined`` or ``async`` on a tier that lives
+        elsewhere, do not offer a load predicted to take longer than its own deadline (:meth:`CostGate.deadline_s`:
+        bounded by what recomputing its tokens would cost), since starting it could only make the request wait out
+        the deadline before recomputing anyway (stat ``loads_not_started_late``). When a probe is due (the gate's
+        clock: at most one per ``probe_interval_s`` and per ``probe_every_refusals`` such hits) one of its chunks is
+        read in the background instead, so that a tier that became fast again is offered again. ``sync`` (kept for
+        comparison) always loads."""
+        if self.gate is None:
+            return
+        lookup.predicted_s = self.gate.predict_s(lookup.num_computed_tokens, lookup.num_hit_tokens)
+        if lookup.mode == "sync" or not self.remote:
+            return
+        load_s, recompute_s = lookup.predicted_s
+        if load_s <= CostGate.deadline_s(load_s, recompute_s, self.config.min_load_deadline_s,
+                                         self.config.load_deadline_s):
+            return
+        self.stats["loads_not_started_late"] += 1
+        if not self._probe_slot_free(lookup):
+            self.gate.tiers.note_refusal(self.gate.backend)  # (a probe is in flight)
+        elif self.gate.tiers.should_probe(self.gate.backend, time.monotonic()):
+            self._queue_probe(lookup)
+            self.stats["late_load_probes"] += 1
+        lookup.num_hit_tokens = lookup.num_computed_tokens
+
+    def commit(self, req_id: str, lookup: LookupResult, num_external_tokens: int) -> None:
+        """vLLM committed to the lookup (``update_state_after_alloc``): the gate counts the decision."""
+        if lookup.decision is not None and self.gate is not None:
+            self.gate.commit(lookup.decision)
+            if num_external_tokens > 0:
+                self.decisions[req_id] = lookup.decision
+
+    def deadline_s(self, lookup: LookupResult) -> float | None:
+        """The load's deadline: twice the predicted load, at most what recomputing would cost
+        (:meth:`CostGate.deadline_s`); ``None`` (the config's ``load_deadline_s``) without a prediction, e.g. a
+        producer's whole prompt (a tail), which a decode engine exists to load."""
+        predicted = (lookup.decision.load_s, lookup.decision.recompute_s) if lookup.decision is not None \
+            else lookup.predicted_s
+        if predicted is None:
+            return None
+        return CostGate.deadline_s(*predicted, self.config.min_load_deadline_s, self.config.load_deadline_s)
+
+    def take_probes(self) -> list[tuple[Ticket, ...]]:
+        """The probes queued since the last step (for its metadata)."""
+        probes, self.probes = self.probes, []
+        return probes
+
+    def observe_step(self, schedule: Any) -> None:
+        """``R`` from the engine's own steps: the time between two steps' plans (``schedule``: vLLM's step schedule,
+        :class:`~range_connector.scheduler.engine_view.StepSchedule`)."""
+        if self.gate is None:
+            return
+        now = time.monotonic()
+        if self._last_step is not None:
+            start_s, tokens, req_ids = self._last_step
+            # Only when work was left after that step: once all its requests finished, the engine may have idled
+            # until this step's requests arrived, and the gap is no step time (R would be underestimated).
+            if tokens > 0 and now - start_s < 10.0 and not req_ids <= set(schedule.finished_req_ids):
+                self.gate.observe_step(tokens, now - start_s)
+        req_ids = {r.req_id for r in schedule.scheduled_new_reqs}
+        req_ids.update(schedule.scheduled_cached_reqs.req_ids)
+        self._last_step = (now, schedule.total_num_scheduled_tokens, req_ids)
+
+    def learn(self, report: RangeWorkerMetadata) -> None:
+        """``B`` and ``T0`` from the loads and probes the workers finished (a load that ran out of time says only
+        that the tier is at least that slow); each decision is matched with its load's realised time."""
+        if self.gate is None:
+            return
+        for shard_bytes, seconds, complete in report.probe_timings:
+            self._probe_until = 0.0
+            for shard_idx in range(self.gate.num_shards):
+                self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=True)
+        for req_ids, shard_bytes, seconds, complete in report.load_timings:
+            decisions = [d for d in (self.decisions.pop(r, None) for r in req_ids) if d is not None]
+            probe = bool(decisions) and all(d.is_probe for d in decisions)
+            for shard_idx in range(self.gate.num_shards):
+                self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=probe)
+            for decision in decisions:
+                self.gate.record_load(decision, seconds)
+
+    def forget(self, req_id: str) -> None:
+        """The request ended."""
+        self.decisions.pop(req_id, None)
+
+    def _probe_slot_free(self, lookup: LookupResult) -> bool:
+        """Whether no probe is in flight and the lookup has a stored chunk past what vLLM holds to probe."""
+        return (time.monotonic() >= self._probe_until
+                and lookup.num_computed_tokens // self.chunk_tokens < len(lookup.tickets))
+
+    def _queue_probe(self, lookup: LookupResult) -> None:
+        """Have the worker read the first chunk of the lookup's hit in the background with the next step (one probe
+        in flight at a time: until its timing comes back, at most twice the tier's ``timeout_s``)."""
+        self.probes.append(lookup.tickets[lookup.num_computed_tokens // self.chunk_tokens])
+        self._probe_until = time.monotonic() + 2.0 * self.config.tier.timeout_s

@@ -1,0 +1,157 @@
+"""Where a prompt's chunks are stored: the min-across-shards longest-prefix lookup (one batched ticket read per
+shard), or, for the in-process DRAM tier, the index this side keeps of what the workers hold.
+
+:class:`PrefixLookup` never raises on a tier failure: a backend error is a miss, and after one, lookups are misses
+without asking for the tier's ``retry_s`` seconds. A lookup may wait at most ``lookup_wait_s``; past that it goes on
+in the background and the request is asked again at the next step (:meth:`PrefixLookup.lookup` returns ``None``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+
+from range_connector.backends.base import Backend
+from range_connector.config import RangeConfig
+from range_connector.errors import BackendError
+from range_connector.kv.namespace import ChunkHash
+from range_connector.kv.sharding import ShardPlan, common_stored_prefix
+from range_connector.kv.tickets import Ticket, ticket_key
+
+logger = logging.getLogger("vllm." + __name__)
+
+
+class PrefixLookup:
+    """The stored prefix of a chain of chunk hashes, on every shard.
+
+    Args:
+        config: resolved config (the tier's ``timeout_s`` and ``retry_s``, ``lookup_wait_s``).
+        plan: the shard plan (blocks per shard, for ticket checks).
+        backends: ``[num_shards]`` backends to ask, or ``None`` for the DRAM tier (whose index is :attr:`index`).
+        num_layers: attention layers (a ticket for another layout is a miss).
+        layer_block_bytes: bytes of one block of one layer (likewise).
+        stats: the scheduler's counters (``lookups_skipped``, ``lookup_errors`` are counted here).
+
+    Attributes:
+        index: the DRAM tier's index, chunk hash -> ``[num_shards]`` tickets, in least-recently-saved order.
+    """
+
+    def __init__(self, config: RangeConfig, plan: ShardPlan, backends: Sequence[Backend] | None, *,
+                 num_layers: int, layer_block_bytes: int, stats: MutableMapping[str, int]) -> None:
+        self.config = config
+        self.plan = plan
+        self.backends = backends
+        self.num_layers = num_layers
+        self.layer_block_bytes = layer_block_bytes
+        self.stats = stats
+        self.index: dict[ChunkHash, tuple[Ticket, ...]] = {}
+        self._down_until = 0.0  # monotonic time before which lookups are misses (a shard just failed)
+        #: lookups that outlasted lookup_wait_s (req_id -> future), and the thread that runs them
+        self._pending: dict[str, Future] = {}
+        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-lookup-wait")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
+
+    @property
+    def is_remote(self) -> bool:
+        """The tier lives elsewhere (Valkey, files): lookups ask its servers."""
+        return self.backends is not None
+
+    def is_pending(self, req_id: str) -> bool:
+        """The request's lookup outlasted ``lookup_wait_s`` and is still running."""
+        return req_id in self._pending
+
+    def forget(self, req_id: str) -> None:
+        """The request ended: drop its pending lookup (its result is not needed)."""
+        self._pending.pop(req_id, None)
+
+    def stored_prefix(self, chunk_hashes: list[ChunkHash], tail_hash: ChunkHash | None = None
+                      ) -> list[tuple[Ticket, ...]]:
+        """Tickets of the leading chunks present on every shard (with ``tail_hash``: the partial last chunk counts
+        as one more chunk after the full ones, asked for in the same batched request).
+
+        One batched ticket read per shard, in parallel; the result is the minimum over shards of each shard's
+        stored prefix. Why the minimum is exactly the longest prefix present on every shard: each shard's set of
+        stored prefixes of this chain is prefix-closed once cut at its first gap (a shard's answer is the length of
+        its first run), and the intersection of prefix-closed sets of one chain is the shortest of them.
+
+        A backend error counts as a miss (empty), never an exception; after one, lookups are misses without
+        asking for the tier's ``retry_s`` seconds, so a dead or frozen shard costs one timeout, not one per request.
+        A ticket that does not fit the registered layout is a miss.
+
+        Returns:
+            ``[num_stored_chunks]`` x ``[num_shards]`` tickets.
+        """
+        if tail_hash is not None:
+            chunk_hashes = [*chunk_hashes, tail_hash]
+        if not chunk_hashes:
+            return []
+        backends = self.backends
+        if backends is None:
+            out = []
+            for h in chunk_hashes:
+                tickets = self.index.get(h)
+                if tickets is None:
+                    break
+                out.append(tickets)
+            return out
+
+        def one(shard_idx: int) -> list[Ticket]:
+            keys = [ticket_key(h, shard_idx) for h in chunk_hashes]
+            found = []
+            for raw in backends[shard_idx].get_tickets(keys):
+                t = Ticket.decode(raw, num_layers=self.num_layers, layer_block_bytes=self.layer_block_bytes,
+                                  num_blocks=self.plan.blocks_per_shard)
+                if t is None:
+                    break
+                found.append(t)
+            return found
+
+        if time.monotonic() < self._down_until:
+            self.stats["lookups_skipped"] += 1
+            return []
+        try:
+            if len(backends) == 1:
+                per_shard = [one(0)]
+            else:
+                per_shard = list(self._pool.map(one, range(len(backends))))
+        except BackendError as exc:
+            self.stats["lookup_errors"] += 1
+            self._down_until = time.monotonic() + self.config.tier.retry_s
+            logger.warning("Range lookup failed; lookups are misses for %.1f s: %s", self.config.tier.retry_s, exc)
+            return []
+        return common_stored_prefix(per_shard)
+
+    def lookup(self, req_id: str, hashes: list[ChunkHash], tail: ChunkHash | None) -> list[tuple[Ticket, ...]] | None:
+        """:meth:`stored_prefix`, waiting at most ``lookup_wait_s`` for a tier that lives elsewhere; ``None`` while
+        the request's lookup is still running (it is picked up when vLLM asks again)."""
+        pending = self._pending.pop(req_id, None)
+        config = self.config
+        if self.backends is None or (pending is None and config.lookup_wait_s >= config.tier.timeout_s):
+            return self.stored_prefix(hashes, tail) if pending is None else pending.result()
+        if pending is None:
+            pending = self._runner.submit(self.stored_prefix, hashes, tail)
+        try:
+            return pending.result(timeout=config.lookup_wait_s)
+        except FutureTimeoutError:
+            self._pending[req_id] = pending
+            return None
+
+    def learn(self, saved: Sequence[tuple[ChunkHash, tuple[Ticket, ...]]], dropped: Sequence[ChunkHash]) -> None:
+        """Take the workers' report of one step: chunks saved (the DRAM tier's index learns them) and chunks found
+        gone, corrupt or evicted (forgotten, so that they are not offered again)."""
+        if self.backends is None:
+            for h, tickets in saved:
+                self.index.pop(h, None)
+                self.index[h] = tickets
+        for h in dropped:
+            self.index.pop(h, None)
+
+    def close(self) -> None:
+        """Stop the lookup threads and close the backends."""
+        self._pool.shutdown(wait=False)
+        self._runner.shutdown(wait=False)
+        for b in self.backends or []:
+            b.close()
