@@ -1,6 +1,6 @@
 """Load modes: layer-pipelined, asynchronous and synchronous loads, their deadlines, and in-flight safety.
 
-Driven through the scheduler/worker harness of ``test_scheduler_worker.py`` (which mirrors the hook order of the
+Driven through the scheduler/worker harness of ``scheduler_worker_harness.py`` (which mirrors the hook order of the
 installed vLLM), with the real ``RangeScheduler`` and ``RangeWorker`` and in-memory stripe stores behind the
 ``FlakyBackend`` wrapper (delays and hangs at the backend boundary). Where it matters, each test runs on the bank
 path and on direct receive (the rows land straight in the KV cache: the wrapper lets loads scatter).
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.unit.test_scheduler_worker import (
+from tests.unit.scheduler_worker_harness import (
     BLOCK,
     LAYER_BLOCK_BYTES,
     LAYERS,

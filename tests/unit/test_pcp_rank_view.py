@@ -34,7 +34,7 @@ from range_connector.worker.pcp import (
     plan_digest,
 )
 from range_connector.worker.pcp_router import rank_view_config
-from tests.unit.test_scheduler_worker import (
+from tests.unit.scheduler_worker_harness import (
     BLOCK,
     LAYER_BLOCK_BYTES,
     LAYERS,
