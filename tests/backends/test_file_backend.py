@@ -1,7 +1,7 @@
 """File tier (:class:`range_connector.backends.file.backend.FileBackend`): byte-exact ranged reads, misses, the byte budget
 measured on the real files (C17), leases, several processes sharing one directory, deadlines, O_DIRECT.
 
-The protocol contract itself is also checked by the conformance suite (``test_conformance.py``); this file covers
+The protocol contract itself is also checked by the conformance suite (``test_conformance_*.py``); this file covers
 what only a file tier has.
 """
 
