@@ -20,6 +20,10 @@ import pytest
 from range_connector.backends.valkey.servers import ensure_servers, server_status, stop_servers, valkey_server_binary
 from range_connector.errors import ServerStartError
 
+# Shared test helpers that are not test modules: their asserts get pytest's introspection too (registered here, before
+# any test module imports them).
+pytest.register_assert_rewrite("tests.unit.scheduler_worker_harness", "tests.backends.conformance")
+
 SESSION_NUM_SHARDS = 2
 
 

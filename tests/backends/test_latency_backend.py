@@ -2,7 +2,7 @@
 trip and the bandwidth cap are honoured (timed, with generous upper bounds for a loaded 2-core machine), settings
 change at run time in-process and from another process through the control file, and a frozen tier turns into
 BackendTimeoutError within the backend timeout. The protocol itself is checked by the conformance suite
-(``latency`` in tests/backends/test_conformance.py)."""
+(``latency`` in tests/backends/test_conformance_*.py)."""
 
 from __future__ import annotations
 

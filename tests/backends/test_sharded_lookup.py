@@ -23,7 +23,7 @@ from range_connector.scheduler.facade import RangeScheduler
 from range_connector.worker.facade import RangeWorker
 from range_connector.worker.pcp_router import rank_view_config
 from tests.conftest import ValkeyServers
-from tests.unit.test_scheduler_worker import (
+from tests.unit.scheduler_worker_harness import (
     BLOCK,
     LAYER_BLOCK_BYTES,
     LAYERS,

@@ -20,6 +20,7 @@ import pytest
 import valkey
 
 from range_connector import cli
+from range_connector.config import RangeConfig
 from range_connector.backends.valkey.servers import (
     RUNTIME_DIR_ENV,
     VALKEY_SERVER_BIN_ENV,
@@ -319,8 +320,8 @@ def test_cli_start_status_stop(runtime_dir: Path, capsys: pytest.CaptureFixture[
 
     assert cli.main(["valkey", "start", "--shards", "2", "--runtime-dir", str(runtime_dir)]) == 0
     out = capsys.readouterr().out
-    fragment = next(line for line in out.splitlines() if line.startswith('"valkey_urls": '))
-    urls = json.loads("{" + fragment + "}")["valkey_urls"]
+    fragment = next(line for line in out.splitlines() if line.startswith('"tiers": '))
+    urls = json.loads("{" + fragment + "}")["tiers"][0]["servers"]
     assert urls == [status.url for status in server_status(runtime_dir)]
 
     assert cli.main(["valkey", "status", "--runtime-dir", str(runtime_dir)]) == 0
@@ -342,7 +343,8 @@ def test_cli_start_takes_a_data_dir_and_prints_the_engine_flag(tmp_path: Path,
         config = json.loads(flag.split(" ", 1)[1].strip("'"))
         urls = [status.url for status in server_status(data_dir)]
         assert config["kv_connector"] == "RangeConnector"
-        assert config["kv_connector_extra_config"] == {"valkey_urls": urls, "num_shards": 2}
+        assert config["kv_connector_extra_config"] == {"tiers": [{"type": "valkey", "servers": urls}]}
+        assert RangeConfig.from_extra_config(config["kv_connector_extra_config"]).num_shards == 2
         for shard_idx in range(2):
             assert (data_dir / f"shard-{shard_idx}-data").is_dir()
             assert f"data dir {data_dir / f'shard-{shard_idx}-data'}" in out

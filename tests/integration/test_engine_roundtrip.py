@@ -20,7 +20,6 @@ connector's checksums.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 

@@ -34,7 +34,7 @@ from range_connector.backends.valkey.client import ValkeyBackend
 from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata
 from range_connector.scheduler.facade import RangeScheduler
-from tests.unit.test_scheduler_worker import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, NUM_BLOCKS, FakeRequest
+from tests.unit.scheduler_worker_harness import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, NUM_BLOCKS, FakeRequest
 
 #: Seconds to wait for a rank's answer before the pool is declared hung (tests then fail, never hang).
 ANSWER_TIMEOUT_S = 60.0

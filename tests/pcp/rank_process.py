@@ -39,7 +39,7 @@ def main(rank: int, world_size: int, init_file: str, conn: Any, group_timeout_s:
     """Entry point of a rank process (``multiprocessing`` spawn target)."""
     torch.set_num_threads(1)
     import range_connector.worker.facade  # noqa: F401  (the heavy imports, vLLM's included, before the group forms)
-    import tests.unit.test_scheduler_worker  # noqa: F401
+    import tests.unit.scheduler_worker_harness  # noqa: F401
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=group_timeout_s))
@@ -112,7 +112,7 @@ class _RankEngine:
         from range_connector.config import RangeConfig, TierConfig
         from range_connector.kv.sharding import ShardPlan, shards_of_rank
         from range_connector.worker.pcp_router import PcpWorkerRouter
-        from tests.unit.test_scheduler_worker import BLOCK, LAYERS, NUM_BLOCKS, make_kv
+        from tests.unit.scheduler_worker_harness import BLOCK, LAYERS, NUM_BLOCKS, make_kv
 
         num_shards = len(urls)
         self.pcp_size, self.kind = pcp_size, kind

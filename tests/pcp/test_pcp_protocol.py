@@ -24,7 +24,7 @@ from range_connector.kv.sharding import ShardPlan, leading_run
 from range_connector.kv.tickets import ticket_key
 from tests.conftest import ValkeyServers
 from tests.pcp.harness import PcpEngine, RankPool
-from tests.unit.test_scheduler_worker import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, FakeRequest, prompt_tokens
+from tests.unit.scheduler_worker_harness import BLOCK, LAYER_BLOCK_BYTES, LAYERS, NAMESPACE, FakeRequest, prompt_tokens
 
 pytestmark = pytest.mark.timeout(180)
 

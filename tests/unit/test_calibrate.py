@@ -52,7 +52,21 @@ def test_table_needs_a_rate_and_bytes_per_token() -> None:
         break_even_rows(build_calibration([], {}, bytes_per_token=None, model=None))
 
 
-def test_command_measures_dram_and_file_tiers_and_leaves_nothing_behind(tmp_path: Path, capsys) -> None:
+def test_command_measures_dram_and_file_tiers_and_leaves_nothing_behind(tmp_path: Path, capsys,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tiers' reads are real; the clock that times them advances by the bytes each read returned (1 GB/s), so
+    # the fitted line does not depend on how busy the machine is.
+    import range_connector.cli.calibrate as calibrate_mod
+    from range_connector.backends.file.backend import FileBackend
+    from range_connector.backends.memory import MemoryBackend
+
+    fake_s = [0.0]
+    for cls in (MemoryBackend, FileBackend):
+        def read_ranges(self, reads, _orig=cls.read_ranges):
+            fake_s[0] += 1e-4 + sum(r.length for r in reads) / 1e9
+            return _orig(self, reads)
+        monkeypatch.setattr(cls, "read_ranges", read_ranges)
+    monkeypatch.setattr(calibrate_mod, "_clock", lambda: fake_s[0])
     out = tmp_path / "cal.json"
     extra = {"file_dir": str(tmp_path / "files"), "num_shards": 2}
     rc = main(["calibrate", "--skip-prefill", "--tokens-per-s", "5000", "--bytes-per-token", str(S),

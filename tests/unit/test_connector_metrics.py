@@ -1,9 +1,9 @@
 """Range's own counts next to vLLM's: the token tally (loaded / failed / aborted, once per engine), the Prometheus
 metrics that carry it to ``/metrics``, and the replay's reading and check of them.
 
-The tally is driven through the scheduler/worker harness of ``test_scheduler_worker.py`` (real ``RangeScheduler``
-and ``RangeWorker``, in-memory stripe stores behind ``FlakyBackend``) and on its own; the Prometheus side is served
-over real HTTP by prometheus_client and read back with the replay's own reader.
+The tally is driven through the scheduler/worker harness of ``scheduler_worker_harness.py`` (real
+``RangeScheduler`` and ``RangeWorker``, in-memory stripe stores behind ``FlakyBackend``) and on its own; the
+Prometheus side is served over real HTTP by prometheus_client and read back with the replay's own reader.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from range_connector.kv.metadata import ChunkTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE, LoadTally, tokens_per_chunk
 from range_connector.testing.processes import free_port
-from tests.unit.test_scheduler_worker import (
+from tests.unit.scheduler_worker_harness import (
     Engine,
     FakeRequest,
     flip_byte,

@@ -1,6 +1,6 @@
 """Load modes: layer-pipelined, asynchronous and synchronous loads, their deadlines, and in-flight safety.
 
-Driven through the scheduler/worker harness of ``test_scheduler_worker.py`` (which mirrors the hook order of the
+Driven through the scheduler/worker harness of ``scheduler_worker_harness.py`` (which mirrors the hook order of the
 installed vLLM), with the real ``RangeScheduler`` and ``RangeWorker`` and in-memory stripe stores behind the
 ``FlakyBackend`` wrapper (delays and hangs at the backend boundary). Where it matters, each test runs on the bank
 path and on direct receive (the rows land straight in the KV cache: the wrapper lets loads scatter).
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.unit.test_scheduler_worker import (
+from tests.unit.scheduler_worker_harness import (
     BLOCK,
     LAYER_BLOCK_BYTES,
     LAYERS,
@@ -344,78 +344,6 @@ def test_case_C10_preempted_request_blocks_reused_never_put_foreign_kv_in_a_stor
     b.close()
 
 
-# ---------------------------------------------------------------------------------------------------- disaggregated prefill
-def _pd_request(req_id: str, prompt: list[int], params: dict | None) -> FakeRequest:
-    req = FakeRequest(req_id, prompt)
-    req.kv_transfer_params = params  # type: ignore[attr-defined]
-    return req
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_shards", [1, 2])
-def test_producer_stores_the_whole_prompt_and_the_consumer_loads_all_but_the_last_token(num_shards: int) -> None:
-    inner = shard_backends(num_shards, num_shards)
-    prompt = prompt_tokens(150, seed=70)  # 4 full 32-token chunks and a 22-token tail
-    p = Engine(inner, num_shards=num_shards, can_load=False, can_save=True, seed=71)
-    req = _pd_request("P-0", prompt, {"do_remote_decode": True})
-    assert p.admit(req) == 0
-    res = p.step()
-    assert [c.chunk_idx for r in res.meta.saves for c in r.chunks] == [0, 1, 2, 3, 4]  # the tail as chunk 4
-    p_blocks = list(p.running["P-0"].block_ids)
-    assert p.sched.request_finished(req, p_blocks) == (False, {"range": {
-        "version": 1, "settings": p.sched.settings, "num_tokens": 150,
-        "chain_head": p.sched._chain(req)[1].hex()}})
-    params = p.sched.request_finished(req, p_blocks)[1]  # (state already forgotten: no token count any more)
-    assert "num_tokens" not in params["range"]
-    announced = {"range": {"version": 1, "settings": p.sched.settings, "num_tokens": 150}}
-
-    c = Engine(wrap(inner), num_shards=num_shards, can_load=True, can_save=False, seed=72)  # type: ignore[arg-type]
-    creq = _pd_request("C-0", prompt, announced)
-    assert c.admit(creq) == 149  # all but the last token (vLLM computes that one)
-    res = c.step(forward=False)
-    assert res.invalid_block_ids == set()
-    dst = c.running["C-0"].block_ids
-    assert len(res.loaded_block_log) == 10  # ceil(149 / 16): the last block only partly holds prompt tokens
-    for i in range(10):
-        assert same_block(res.after_load, dst[i], p.kv, p_blocks[i]), f"block {i}"
-    # A longer prompt that extends this one does not match the tail: its chunk 4 holds other tokens.
-    longer = _pd_request("C-1", prompt + prompt_tokens(30, seed=73), None)
-    assert c.sched.get_num_new_matched_tokens(longer, 0) == (128, False)
-    p.close()
-    c.close()
-
-
-@pytest.mark.timeout(30)
-def test_consumer_waits_within_remote_wait_s_for_announced_kv_then_recomputes() -> None:
-    inner = shard_backends(1, 1)
-    prompt = prompt_tokens(150, seed=74)
-    c = Engine(inner, can_load=True, can_save=False, seed=75, remote_wait_s=0.3)
-    settings = dict(c.sched.settings)
-    req = _pd_request("C-0", prompt, {"range": {"settings": settings, "num_tokens": 150}})
-    t0 = time.monotonic()
-    assert c.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not there yet: asked again next step
-    while c.sched.get_num_new_matched_tokens(req, 0) == (None, False):
-        time.sleep(0.02)
-        assert time.monotonic() - t0 < 2.0
-    waited_s = time.monotonic() - t0
-    assert 0.25 <= waited_s < 1.0
-    assert c.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # then nothing is promised: recomputed
-    assert c.sched.stats["remote_wait_timeouts"] == 1
-    c.close()
-
-
-@pytest.mark.timeout(30)
-def test_mismatched_producer_settings_are_named_and_never_waited_for(caplog) -> None:
-    inner = shard_backends(1, 1)
-    c = Engine(inner, can_load=True, can_save=False, seed=76, remote_wait_s=5.0)
-    theirs = {**c.sched.settings, "block_size": 32, "chunk_tokens": 64}
-    req = _pd_request("C-0", prompt_tokens(150, seed=77), {"range": {"settings": theirs, "num_tokens": 150}})
-    assert c.sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert c.sched.stats["settings_mismatches"] == 1
-    assert "block_size: 32 != 16" in caplog.text and "chunk_tokens: 64 != 32" in caplog.text
-    c.close()
-
-
 # ---------------------------------------------------------------------------------------------------- the cost gate
 @pytest.mark.timeout(60)
 def test_auto_mode_takes_a_hit_on_a_fast_tier_refuses_it_on_a_slow_one_and_learns_from_loads() -> None:
@@ -601,19 +529,6 @@ def test_bank_pool_reuses_buffers_of_different_sizes_without_comparing_tensors()
         for g in got:
             pool.release(g)
     assert pool.in_use == 0 and pool.allocations == 3
-
-
-@pytest.mark.timeout(30)
-def test_producer_names_a_consumer_whose_settings_differ(caplog) -> None:
-    inner = shard_backends(1, 1)
-    p = Engine(inner, can_load=False, can_save=True, seed=82)
-    theirs = {**p.sched.settings, "num_shards": 2}
-    req = _pd_request("P-0", prompt_tokens(150, seed=83), {"do_remote_decode": True, "range_expect": theirs})
-    p.admit(req)
-    p.step()
-    assert p.sched.request_finished(req, list(p.running["P-0"].block_ids))[1]["range"]["num_tokens"] == 150
-    assert p.sched.stats["settings_mismatches"] == 1 and "num_shards: 2 != 1" in caplog.text
-    p.close()
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +20,7 @@ from hypothesis import strategies as st
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
-from range_connector.kv.sharding import RankSlice, ShardPlan, leading_run
+from range_connector.kv.sharding import RankSlice, ShardPlan
 from range_connector.kv.tickets import Ticket, ticket_key
 from range_connector.scheduler.facade import RangeScheduler
 from range_connector.worker.facade import RangeWorker
@@ -34,7 +33,7 @@ from range_connector.worker.pcp import (
     plan_digest,
 )
 from range_connector.worker.pcp_router import rank_view_config
-from tests.unit.test_scheduler_worker import (
+from tests.unit.scheduler_worker_harness import (
     BLOCK,
     LAYER_BLOCK_BYTES,
     LAYERS,

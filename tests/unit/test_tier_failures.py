@@ -1,0 +1,98 @@
+"""A tier that fails a save or a lookup: the call is a skipped save or a miss, and the shard is left alone for
+``backend_retry_s`` before it is asked again.
+
+Driven through the engine-less harness (:mod:`tests.unit.scheduler_worker_harness`), with failures injected by
+``FlakyBackend``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from range_connector.errors import BackendError, BackendTimeoutError
+from tests.unit.scheduler_worker_harness import (
+    Engine,
+    FakeRequest,
+    FlakyBackend,
+    chain,
+    produce,
+    prompt_tokens,
+    saved_chunk_idxs,
+    saved_hashes,
+    shard_backends,
+)
+
+
+# ---------------------------------------------------------------------------------------------------- save failure
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("num_shards", "failing_shard"), [(1, 0), (2, 1)])
+def test_save_error_skips_the_shard_for_backend_retry_s_then_resumes(num_shards: int, failing_shard: int) -> None:
+    retry_s = 0.2
+    inner = shard_backends(num_shards, num_shards)
+    flaky = [FlakyBackend(m, name=f"flaky-s{s}") for s, m in enumerate(inner)]
+    eng = Engine(flaky, num_shards=num_shards, backend_retry_s=retry_s, seed=1)  # type: ignore[arg-type]
+    flaky[failing_shard].fail_write = BackendError
+
+    eng.admit(FakeRequest("r0", prompt_tokens(70, seed=20)))
+    s0 = eng.step()  # the write fails: no exception
+    assert saved_chunk_idxs(s0.meta) == [0, 1]
+    assert eng.worker.stats["save_errors"] == 1
+    assert s0.worker_meta is None  # nothing reported as saved
+    writes = flaky[failing_shard].calls["write_stripe"]
+    assert writes == 1
+
+    flaky[failing_shard].fail_write = None  # the tier is back, but the shard is still counted down
+    eng.admit(FakeRequest("r1", prompt_tokens(70, seed=21)))
+    eng.step()
+    assert flaky[failing_shard].calls["write_stripe"] == writes  # skipped without asking
+    assert eng.worker.stats["saves_skipped"] == 1
+    assert eng.worker.stats["saved_chunks"] == 0
+    if num_shards == 2:  # the healthy shard keeps being written, one stripe per step
+        assert flaky[0].calls["write_stripe"] == 2
+
+    time.sleep(retry_s * 1.5)
+    p2 = prompt_tokens(70, seed=22)
+    eng.admit(FakeRequest("r2", p2))
+    s2 = eng.step()
+    assert flaky[failing_shard].calls["write_stripe"] == writes + 1
+    assert eng.worker.stats["saved_chunks"] == 2
+    assert saved_hashes(s2.worker_meta) == chain(p2, 32)[:2]
+    # The first two prompts' saves were lost (a future miss), the third's is stored on every shard.
+    reader = Engine(inner, num_shards=num_shards, seed=9)
+    assert reader.sched.get_num_new_matched_tokens(FakeRequest("x0", prompt_tokens(70, seed=20)), 0) == (0, False)
+    assert reader.sched.get_num_new_matched_tokens(FakeRequest("x2", p2), 0) == (64, False)
+    eng.close()
+    reader.close()
+
+
+# ---------------------------------------------------------------------------------------------------- lookup failure
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("exc", [BackendError, BackendTimeoutError])
+@pytest.mark.parametrize(("num_shards", "failing_shard"), [(1, 0), (2, 1)])
+def test_lookup_error_is_a_miss_and_the_tier_is_not_asked_again_for_backend_retry_s(
+    num_shards: int, failing_shard: int, exc: type[BackendError]
+) -> None:
+    retry_s = 0.2
+    inner = shard_backends(num_shards, num_shards)
+    prompt = prompt_tokens(150, seed=23)
+    a, _ = produce(inner, prompt, num_shards=num_shards)
+    flaky = [FlakyBackend(m, name=f"flaky-s{s}") for s, m in enumerate(inner)]
+    b = Engine(flaky, num_shards=num_shards, backend_retry_s=retry_s, seed=2)  # type: ignore[arg-type]
+    flaky[failing_shard].fail_get_tickets = exc
+
+    assert b.sched.get_num_new_matched_tokens(FakeRequest("B-0", prompt), 0) == (0, False)
+    assert b.sched.stats["lookup_errors"] == 1
+    calls = sum(f.calls["get_tickets"] for f in flaky)
+    flaky[failing_shard].fail_get_tickets = None
+    for i in range(5):
+        assert b.sched.get_num_new_matched_tokens(FakeRequest(f"B-{i + 1}", prompt), 0) == (0, False)
+    assert sum(f.calls["get_tickets"] for f in flaky) == calls
+    assert b.sched.stats["lookups_skipped"] == 5
+
+    time.sleep(retry_s * 1.5)
+    assert b.sched.get_num_new_matched_tokens(FakeRequest("B-9", prompt), 0) == (128, False)
+    assert sum(f.calls["get_tickets"] for f in flaky) == calls + num_shards  # one ticket read per shard
+    a.close()
+    b.close()
