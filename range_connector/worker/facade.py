@@ -12,34 +12,26 @@ The number of round trips, reads and copies follows shards, stripes, layers and 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
-import xxhash
 
-from range_connector.backends.base import Backend, StripeWrite
+from range_connector.backends.base import Backend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
 from range_connector.kv.layout import KVLayout, block_rows
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
-from range_connector.kv.stripes import (
-    chunk_checksum,
-    chunk_groups,
-    gather_layer,
-    new_stripe_id,
-)
 from range_connector.kv.tickets import Ticket, ticket_key
 from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
 from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
 from range_connector.worker.probes import probe_chunk
+from range_connector.worker.saves import StripeSaver
 
 logger = logging.getLogger("vllm." + __name__)
 
@@ -101,13 +93,6 @@ class RangeWorker:
         #: per finished load job: mode and per-layer timestamps (ready, delivered, waited for by attention)
         self.load_timelines: list[dict] = []
         self._failed_block_ids: set[int] = set()
-        self._save_down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
-        self._saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = []  # (appended by the saver thread too)
-        #: save_mode "async": the thread that writes gathered stripes, its futures, and the bytes not yet written
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-save")
-        self._pending_saves: weakref.WeakSet[Future] = weakref.WeakSet()
-        self._save_lock = threading.Lock()
-        self._save_backlog_bytes = 0
         self._dropped: list[ChunkHash] = []
         self._loaded_reqs: list[str] = []
         # req_id -> first chunk whose load failed in this step: the forward computes on top of it, so nothing from
@@ -120,6 +105,8 @@ class RangeWorker:
         #: ``(shard_idx, ticket key)`` of the chunks that step read.
         self.last_loaded_tickets: list[tuple[int, bytes]] = []
         self.stats: dict[str, int] = defaultdict(int)
+        #: writes this worker's saves (:mod:`range_connector.worker.saves`)
+        self.saver = StripeSaver(config, self.plan, backends, self.shard_idxs, tp_rank, self.stats)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """View the engine's KV tensors as rows (see :func:`range_connector.kv.layout.block_rows`)."""
@@ -134,10 +121,6 @@ class RangeWorker:
             copy_stream=self._copy_stream)
         logger.info("Range worker: %d layers x %d planes, %d bytes per block row, %d blocks",
                     len(self.layer_names), self.layout.num_planes, self.layout.row_bytes, self.num_blocks)
-
-    def _layer_block_bytes(self) -> int:
-        assert self.layout is not None
-        return self.layout.num_planes * self.layout.row_bytes
 
     # ---------------------------------------------------------------- loads
     def start_load(self, meta: RangeConnectorMetadata) -> None:
@@ -373,101 +356,11 @@ class RangeWorker:
                 chunks.append((c.chunk_hash, c.block_ids))
         if not chunks:
             return
-        bps = self.plan.blocks_per_shard
-        stripes = []  # (shard, backend, chunks of the stripe, per-layer values)
-        for s, backend in enumerate(self.backends):
-            if time.monotonic() < self._save_down_until[s]:
-                self.stats["saves_skipped"] += 1
-                continue
-            try:
-                groups = chunk_groups(len(chunks), bps, self._layer_block_bytes(), backend.max_value_bytes)
-            except ValueError as exc:
-                logger.warning("Range save to shard %d: %s", s, exc)
-                self.stats["save_errors"] += 1
-                continue
-            for group in groups:
-                stripe_chunks = [chunks[i] for i in group]
-                stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks)))
-        hashes = [h for h, _ in chunks]
-        if self.config.save_mode != "async":
-            self._write_stripes(stripes, hashes, 0)
-            return
-        nbytes = sum(v.numel() * v.element_size() for *_rest, values in stripes for v in values)
-        with self._save_lock:
-            if self._save_backlog_bytes + nbytes > self.config.save_backlog_bytes:
-                self.stats["saves_skipped_backlog"] += 1
-                return
-            self._save_backlog_bytes += nbytes
-        self._pending_saves.add(self._saver.submit(self._write_stripes, stripes, hashes, nbytes))
+        self.saver.save(chunks, self.load_context)
 
     def wait_for_saves(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"``; whether all ended."""
-        pending = [f for f in self._pending_saves if not f.done()]
-        return not wait(pending, timeout=timeout_s).not_done if pending else True
-
-    def _gather_stripe(self, s: int, chunks: list[tuple[ChunkHash, tuple[int, ...]]]) -> list[torch.Tensor]:
-        """Copy shard ``s``'s blocks of ``chunks`` out of the KV cache: per layer ``[num_planes, stripe_blocks,
-        row]`` host tensors that the stripe's values are written from."""
-        layout = self.layout
-        assert layout is not None
-        positions = list(self.plan.shard_blocks(s))
-        index = torch.tensor([ids[p] for _, ids in chunks for p in positions], dtype=torch.long)
-        if self._rows[0].is_cuda:  # gather on the device, one device-to-host copy per layer
-            index = index.to(self._rows[0].device)
-            return [gather_layer(self._rows, layout, layer_idx, index).cpu() for layer_idx in range(len(self.layer_names))]
-        return [gather_layer(self._rows, layout, layer_idx, index) for layer_idx in range(len(self.layer_names))]
-
-    def _write_stripes(self, stripes: list, hashes: list[ChunkHash], backlog_bytes: int) -> None:
-        """Write gathered stripes; chunks whose every shard was written are reported saved."""
-        try:
-            tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
-            for s, backend, stripe_chunks, values in stripes:
-                self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk)
-            saved = [(h, tuple(tickets)) for h, tickets in tickets_by_chunk.items() if all(t is not None for t in tickets)]
-            with self._save_lock:
-                self._saved.extend(saved)  # type: ignore[arg-type]
-                self._save_backlog_bytes -= backlog_bytes
-            self.stats["saved_chunks"] += len(saved)
-        except Exception:  # a background write must never take the worker down
-            logger.exception("Range save failed")
-            self.stats["save_errors"] += 1
-            with self._save_lock:
-                self._save_backlog_bytes -= backlog_bytes
-
-    def _write_stripe(self, s: int, backend: Backend, chunks: list[tuple[ChunkHash, tuple[int, ...]]],
-                      values: list[torch.Tensor], tickets_by_chunk: dict[ChunkHash, list[Ticket | None]]) -> None:
-        layout = self.layout
-        assert layout is not None
-        bps = self.plan.blocks_per_shard
-        stripe_blocks = len(chunks) * bps
-        views = [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in values]
-        stripe_id = new_stripe_id()
-        stripe_sums = tuple(xxhash.xxh3_64_intdigest(v) for v in views)
-        tickets = []
-        for c, (chunk_hash, _) in enumerate(chunks):
-            sums = tuple(chunk_checksum(v, layout.num_planes, stripe_blocks, c * bps, bps, layout.row_bytes)
-                         for v in views)
-            t = Ticket(stripe_id, c * bps, bps, stripe_blocks, len(self.layer_names), layout.num_planes,
-                       layout.row_bytes, sums, stripe_sums)
-            tickets.append((chunk_hash, t))
-        shard_idx = self.shard_idxs[s]
-        write = StripeWrite(stripe_id, views,
-                            [(ticket_key(h, shard_idx, self.tp_rank), t.encode()) for h, t in tickets])
-        try:
-            stored = backend.write_stripe(write)
-        except (BackendError, ValueError) as exc:
-            logger.warning("Range save to shard %d failed: %s", s, exc)
-            self.stats["save_errors"] += 1
-            if isinstance(exc, BackendError):
-                self._save_down_until[s] = time.monotonic() + self.config.tier.retry_s
-            return
-        if not stored:
-            self.stats["saves_skipped_capacity"] += 1
-            return
-        self.stats["saved_bytes"] += write.nbytes
-        self.stats["saved_stripes"] += 1
-        for h, t in tickets:
-            tickets_by_chunk[h][s] = t
+        return self.saver.wait(timeout_s)
 
     # ---------------------------------------------------------------- to the scheduler
     def build_worker_meta(self) -> RangeWorkerMetadata | None:
@@ -479,11 +372,10 @@ class RangeWorker:
                 for key in take_evicted():
                     dropped.append(ChunkHash(bytes.fromhex(key.split(b":")[2].decode())))
         probe_timings = [self._probe_timings.pop(0) for _ in range(len(self._probe_timings))]
-        if not (self._saved or dropped or self._failed_loads or self._loaded_reqs or self._load_timings
+        if not (self.saver.has_saved() or dropped or self._failed_loads or self._loaded_reqs or self._load_timings
                 or probe_timings):
             return None
-        with self._save_lock:
-            saved, self._saved = self._saved, []
+        saved = self.saver.take_saved()
         meta = RangeWorkerMetadata(saved=saved, dropped=dropped, failed_loads=self._failed_loads,
                                    loaded=self._loaded_reqs, load_timings=self._load_timings,
                                    probe_timings=probe_timings)
@@ -503,7 +395,7 @@ class RangeWorker:
         self._prober.shutdown(wait=False)
         if not self.wait_for_saves(self.config.tier.timeout_s):  # (written before the backends close)
             logger.warning("Range: background saves still running at shutdown are abandoned")
-        self._saver.shutdown(wait=False)
+        self.saver.close()
         self.shard_readers.shutdown(wait=False)
         for b in {id(b): b for b in self.backends}.values():
             b.close()

@@ -489,7 +489,7 @@ def test_async_saves_past_the_backlog_are_skipped_and_counted() -> None:
     assert eng.admit(FakeRequest("A-0", prompt_tokens(150, seed=90))) == 0
     eng.step()
     assert eng.worker.stats["saves_skipped_backlog"] == 1 and eng.worker.wait_for_saves(1.0)
-    assert eng.worker._save_backlog_bytes == 0
+    assert eng.worker.saver.backlog_bytes == 0
     eng.close()
 
 

@@ -1,0 +1,184 @@
+"""Saves (worker side): a step's new full chunks become, per shard, stripes written with one write each, and their
+tickets are published with them.
+
+The chunks are gathered out of the KV cache in the step (vLLM may reuse the blocks afterwards), from blocks the step
+owns, so preemption and block reuse cannot mix foreign KV into a stripe. With ``save_mode`` ``"sync"`` they are
+written before :meth:`StripeSaver.save` returns; with ``"async"`` one background thread writes them (at most
+``save_backlog_bytes`` gathered and unwritten; past it the save is skipped). A failed or skipped write is counted,
+never raised: a lost save is only a future miss. After a shard's write fails, saves to it are skipped for the tier's
+``retry_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+import xxhash
+
+from range_connector.backends.base import Backend, StripeWrite
+from range_connector.config import RangeConfig
+from range_connector.errors import BackendError
+from range_connector.kv.namespace import ChunkHash
+from range_connector.kv.sharding import ShardPlan
+from range_connector.kv.stripes import chunk_checksum, chunk_groups, gather_layer, new_stripe_id
+from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.worker.context import LoadContext
+
+logger = logging.getLogger("vllm." + __name__)
+
+#: one chunk to save: its hash and the engine block ids of the whole chunk
+SaveChunk = tuple[ChunkHash, tuple[int, ...]]
+
+
+class StripeSaver:
+    """Writes a worker's saves, synchronously or on its saver thread.
+
+    Args:
+        config: resolved config (``save_mode``, ``save_backlog_bytes``, the tier's ``retry_s``).
+        plan: the shard plan of the worker's chunks.
+        backends: ``[num_shards]`` the worker's backends.
+        shard_idxs: the global shard index of each backend (part of every ticket key).
+        tp_rank: tensor-parallel rank (part of every ticket key).
+        stats: the worker's counters (``saved_*``, ``save_errors``, ``saves_skipped*`` are counted here).
+    """
+
+    def __init__(self, config: RangeConfig, plan: ShardPlan, backends: Sequence[Backend], shard_idxs: tuple[int, ...],
+                 tp_rank: int, stats: MutableMapping[str, int]) -> None:
+        self.config = config
+        self.plan = plan
+        self.backends = backends
+        self.shard_idxs = shard_idxs
+        self.tp_rank = tp_rank
+        self.stats = stats
+        self._down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
+        self._saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = []  # (appended by the saver thread too)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-save")
+        self._pending: weakref.WeakSet[Future] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._backlog_bytes = 0
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes gathered and not yet written (``save_mode`` ``"async"``)."""
+        return self._backlog_bytes
+
+    def has_saved(self) -> bool:
+        """Whether saves completed since :meth:`take_saved` last ran."""
+        return bool(self._saved)
+
+    def take_saved(self) -> list[tuple[ChunkHash, tuple[Ticket, ...]]]:
+        """``(chunk hash, [num_shards] tickets)`` of the chunks whose every shard was written since the last call."""
+        with self._lock:
+            saved, self._saved = self._saved, []
+        return saved
+
+    def save(self, chunks: list[SaveChunk], context: LoadContext) -> None:
+        """Gather ``chunks`` out of the KV cache (``context``: its rows and layout) and write them as one stripe per
+        shard (split at the tier's value limit)."""
+        layout = context.layout
+        bps = self.plan.blocks_per_shard
+        stripes = []  # (shard, backend, chunks of the stripe, per-layer values)
+        for s, backend in enumerate(self.backends):
+            if time.monotonic() < self._down_until[s]:
+                self.stats["saves_skipped"] += 1
+                continue
+            try:
+                groups = chunk_groups(len(chunks), bps, layout.num_planes * layout.row_bytes,
+                                      backend.max_value_bytes)
+            except ValueError as exc:
+                logger.warning("Range save to shard %d: %s", s, exc)
+                self.stats["save_errors"] += 1
+                continue
+            for group in groups:
+                stripe_chunks = [chunks[i] for i in group]
+                stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks, context)))
+        hashes = [h for h, _ in chunks]
+        if self.config.save_mode != "async":
+            self._write_stripes(stripes, hashes, 0, context)
+            return
+        nbytes = sum(v.numel() * v.element_size() for *_rest, values in stripes for v in values)
+        with self._lock:
+            if self._backlog_bytes + nbytes > self.config.save_backlog_bytes:
+                self.stats["saves_skipped_backlog"] += 1
+                return
+            self._backlog_bytes += nbytes
+        self._pending.add(self._thread.submit(self._write_stripes, stripes, hashes, nbytes, context))
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"``; whether all ended."""
+        pending = [f for f in self._pending if not f.done()]
+        return not wait(pending, timeout=timeout_s).not_done if pending else True
+
+    def close(self) -> None:
+        """Stop the saver thread (after :meth:`wait`)."""
+        self._thread.shutdown(wait=False)
+
+    def _gather_stripe(self, s: int, chunks: list[SaveChunk], context: LoadContext) -> list[torch.Tensor]:
+        """Copy shard ``s``'s blocks of ``chunks`` out of the KV cache: per layer ``[num_planes, stripe_blocks,
+        row]`` host tensors that the stripe's values are written from."""
+        rows, layout = context.rows, context.layout
+        positions = list(self.plan.shard_blocks(s))
+        index = torch.tensor([ids[p] for _, ids in chunks for p in positions], dtype=torch.long)
+        num_layers = len(context.layer_names)
+        if rows[0].is_cuda:  # gather on the device, one device-to-host copy per layer
+            index = index.to(rows[0].device)
+            return [gather_layer(rows, layout, layer_idx, index).cpu() for layer_idx in range(num_layers)]
+        return [gather_layer(rows, layout, layer_idx, index) for layer_idx in range(num_layers)]
+
+    def _write_stripes(self, stripes: list, hashes: list[ChunkHash], backlog_bytes: int,
+                       context: LoadContext) -> None:
+        """Write gathered stripes; chunks whose every shard was written are reported saved."""
+        try:
+            tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
+            for s, backend, stripe_chunks, values in stripes:
+                self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk, context)
+            saved = [(h, tuple(tickets)) for h, tickets in tickets_by_chunk.items() if all(t is not None for t in tickets)]
+            with self._lock:
+                self._saved.extend(saved)  # type: ignore[arg-type]
+                self._backlog_bytes -= backlog_bytes
+            self.stats["saved_chunks"] += len(saved)
+        except Exception:  # a background write must never take the worker down
+            logger.exception("Range save failed")
+            self.stats["save_errors"] += 1
+            with self._lock:
+                self._backlog_bytes -= backlog_bytes
+
+    def _write_stripe(self, s: int, backend: Backend, chunks: list[SaveChunk], values: list[torch.Tensor],
+                      tickets_by_chunk: dict[ChunkHash, list[Ticket | None]], context: LoadContext) -> None:
+        layout = context.layout
+        bps = self.plan.blocks_per_shard
+        stripe_blocks = len(chunks) * bps
+        views = [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in values]
+        stripe_id = new_stripe_id()
+        stripe_sums = tuple(xxhash.xxh3_64_intdigest(v) for v in views)
+        tickets = []
+        for c, (chunk_hash, _) in enumerate(chunks):
+            sums = tuple(chunk_checksum(v, layout.num_planes, stripe_blocks, c * bps, bps, layout.row_bytes)
+                         for v in views)
+            t = Ticket(stripe_id, c * bps, bps, stripe_blocks, len(context.layer_names), layout.num_planes,
+                       layout.row_bytes, sums, stripe_sums)
+            tickets.append((chunk_hash, t))
+        shard_idx = self.shard_idxs[s]
+        write = StripeWrite(stripe_id, views,
+                            [(ticket_key(h, shard_idx, self.tp_rank), t.encode()) for h, t in tickets])
+        try:
+            stored = backend.write_stripe(write)
+        except (BackendError, ValueError) as exc:
+            logger.warning("Range save to shard %d failed: %s", s, exc)
+            self.stats["save_errors"] += 1
+            if isinstance(exc, BackendError):
+                self._down_until[s] = time.monotonic() + self.config.tier.retry_s
+            return
+        if not stored:
+            self.stats["saves_skipped_capacity"] += 1
+            return
+        self.stats["saved_bytes"] += write.nbytes
+        self.stats["saved_stripes"] += 1
+        for h, t in tickets:
+            tickets_by_chunk[h][s] = t
