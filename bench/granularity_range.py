@@ -295,14 +295,14 @@ class RangeCase:
             deliver_s = timers.pop("deliver_through_s", None)
             parts = dict(timers)
             if deliver_s is not None:  # the consumer's waits for the reader; the rest: planning, settling
-                busy_s = timers.get("_verify_group_s", 0.0) + timers.get("copy_rows_s", 0.0)
+                busy_s = timers.get("verify_group_s", 0.0) + timers.get("copy_rows_s", 0.0)
                 parts["consumer_wait_s"] = deliver_s - busy_s
                 rest_s = t4 - t3 - deliver_s
             else:
                 rest_s = t4 - t3 - sum(timers.values())
             row["breakdown"] = {"restore_s": t4 - t3, **parts, "rest_s": rest_s,
                                 "note": "one extra instrumented restore, not part of the medians; read_ranges runs in "
-                                        "Range's reader thread, beside the consumer's checksum (_verify_group), "
+                                        "Range's reader thread, beside the consumer's checksum (verify_group), "
                                         "copies (copy_rows) and waits (consumer_wait); rest: outside delivery "
                                         "(planning, settling)"}
         elif kind == "timed":
@@ -324,13 +324,18 @@ class RangeCase:
 #: consumer: whoever calls ``wait_for_layer``), and the consumer's whole delivery (its waits for the reader are
 #: ``deliver_through`` minus the other two). ``job`` and ``context`` hooks are set on the LoadJob and LoadContext
 #: classes for the instrumented restore.
-_HOOKS = (("backend", "read_ranges"), ("backend", "view_stripes"), ("job", "_verify_group"),
+_HOOKS = (("backend", "read_ranges"), ("backend", "view_stripes"), ("loads", "verify_group"),
           ("context", "copy_rows"), ("job", "deliver_through"))
-#: owners whose hooks are set on the class (LoadJob, LoadContext), not on one instance
-_CLASS_OWNERS = ("job", "context")
+#: owners whose hooks are set on the class (LoadJob, LoadContext) or module (the checksum pass that loads.py calls),
+#: not on one instance
+_CLASS_OWNERS = ("job", "context", "loads")
 
 
 def _hook_owner(owner_name: str, worker: RangeWorker, backend: Backend):
+    if owner_name == "loads":
+        import range_connector.worker.loads as loads_module
+
+        return loads_module
     if owner_name == "job":
         from range_connector.worker.loads import LoadJob
 

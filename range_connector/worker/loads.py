@@ -26,22 +26,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections import defaultdict
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
-import xxhash
 
 from range_connector.backends.base import RangeRead
 from range_connector.config import LOAD_MODES
-from range_connector.errors import BackendError, BackendTimeoutError
+from range_connector.errors import BackendTimeoutError
 from range_connector.kv.metadata import ChunkTransfer, RequestTransfer
 from range_connector.kv.namespace import ChunkHash
-from range_connector.kv.stripes import Segment, plan_segments
+from range_connector.kv.stripes import plan_segments
 from range_connector.kv.tickets import Ticket
 from range_connector.worker.direct_receive import DirectRows, WriteGate
+from range_connector.worker.lent_views import LentViews, row_selector
+from range_connector.worker.shard_reads import ShardReads
+from range_connector.worker.verify import bank_sums, verify_group
 
 if TYPE_CHECKING:
     from range_connector.worker.context import LoadContext
@@ -52,45 +53,6 @@ _NEVER = 1 << 62
 
 #: load modes (``RequestTransfer.mode``, config key ``load_mode``)
 PIPELINED, ASYNC, SYNC = LOAD_MODES[:3]  # ("auto" is the scheduler's: it picks one of these)
-
-
-def row_selector(src_rows: list[int]) -> slice | torch.Tensor:
-    """A slice when ``src_rows`` is one ascending run of consecutive rows (no gather needed), else an index."""
-    first = src_rows[0]
-    if src_rows == list(range(first, first + len(src_rows))):
-        return slice(first, first + len(src_rows))
-    return torch.tensor(src_rows, dtype=torch.long)
-
-
-class _ViewSource:
-    """A stripe lent by the tier as read-only layer values ``[num_planes, stripe_blocks, row_bytes]``."""
-
-    def __init__(self, group: int, t: Ticket, layers: list[memoryview], row_dtype: torch.dtype) -> None:
-        self.group, self.t, self.layers = group, t, layers
-        #: the load reads the whole stripe, which carries per-layer checksums: verified once per layer.
-        self.whole = False
-        with warnings.catch_warnings():  # read-only buffers: only ever read (the index copy copies out)
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            self.tensors = [torch.frombuffer(v, dtype=torch.uint8).view(row_dtype).view(t.num_planes,
-                                                                                        t.stripe_blocks, -1)
-                            for v in layers]
-
-    def check_whole(self) -> bool:
-        """Every layer value matches the stripe's per-layer checksum (xxh3 releases the GIL: runs beside copies)."""
-        return all(xxhash.xxh3_64_intdigest(v) == c for v, c in zip(self.layers, self.t.stripe_checksums))
-
-    def check_chunk(self, t: Ticket) -> bool:
-        """The chunk of ticket ``t`` matches its per-layer checksums."""
-        for layer_idx in range(t.num_layers):
-            h = xxhash.xxh3_64()
-            for p in range(t.num_planes):
-                start = (p * t.stripe_blocks + t.block_offset) * t.row_bytes
-                h.update(self.layers[layer_idx][start:start + t.num_blocks * t.row_bytes])
-            if h.intdigest() != t.checksums[layer_idx]:
-                logger.warning("Range load: checksum mismatch in stripe %s layer %d blocks [%d, %d)", t.stripe_id,
-                               layer_idx, t.block_offset, t.block_offset + t.num_blocks)
-                return False
-        return True
 
 
 class LoadJob:
@@ -130,17 +92,15 @@ class LoadJob:
         self.events: list[object] = []  # CUDA events of this job's copies
         self._next_group = 0
         self._cancelled = threading.Event()
-        self._missing: set[tuple[int, str]] = set()  # stripes that are gone (their tickets lie: dropped)
-        self._errored: set[tuple[int, str]] = set()  # stripes whose read failed (transient: tickets kept)
-        self._state_lock = threading.Lock()
-        self._failed_shards: set[int] = set()
+        #: the reads from the tier's shards, and what they found (stripes gone, reads failed)
+        self.reads = ShardReads(context.backends, context.stats)
         self._banks: list = []
         #: direct receive (CPU): where each row lands, and one read per layer group on the reader thread
         self.direct: DirectRows | None = None
         self._fills: list[Future] = []
         self._gate = WriteGate()
-        self._views: dict[tuple[int, str], _ViewSource] = {}
-        self._pending_whole: dict[tuple[int, str], Future] = {}
+        #: a tier that lends its stripes in process (the DRAM tier): the lent views, else None
+        self.lent: LentViews | None = None
         self._delivered: list[threading.Event] = []  # direct receive: per layer group, delivered (or cancelled)
         self.done: list[tuple[ChunkHash, list[int], list[int]]] = []  # filled by finish()
 
@@ -174,76 +134,19 @@ class LoadJob:
         self.views = bool(self.segments) and all(w.backends[seg.shard_idx].supports_views for seg in self.segments)
         if self.views:
             self.groups = [range(layer, layer + 1) for layer in range(self.num_layers)]
-            self._start_views()
+            self.lent = LentViews(self)
+            self.lent.start()
         else:
             self._start_banked()
 
-    def _start_views(self) -> None:
-        """Borrow read-only views of the stored stripes (one call per shard): no staging copy. Stripes lent whole
-        are verified against their per-layer checksums in a helper thread while the copies run; partial ones
-        chunk by chunk, here."""
-        w = self.w
-        by_shard: dict[int, list[Segment]] = defaultdict(list)
-        for seg in self.segments:
-            by_shard[seg.shard_idx].append(seg)
-        for s, segs in by_shard.items():
-            try:
-                if time.monotonic() > self.deadline:
-                    raise BackendError("the load deadline passed")
-                lent = w.backends[s].view_stripes([seg.ticket.stripe_id for seg in segs])
-            except (BackendError, ValueError) as exc:  # transient: the chunks fail, their tickets stay
-                logger.warning("Range load from shard %d: %s", s, exc)
-                w.stats["load_backend_errors"] += 1
-                self._errored.update((s, seg.ticket.stripe_id) for seg in segs)
-                continue
-            for seg, layers in zip(segs, lent):
-                key, t = (s, seg.ticket.stripe_id), seg.ticket
-                if layers is None or len(layers) != self.num_layers or any(v.nbytes != t.layer_bytes for v in layers):
-                    self._missing.add(key)
-                    continue
-                source = _ViewSource(len(self._views), t, layers, w.layout.row_dtype)
-                source.whole = bool(t.stripe_checksums) and seg.first_block == 0 and seg.num_blocks == t.stripe_blocks
-                self._views[key] = source
-        now = time.monotonic()
-        self.layer_ready_s = [now] * self.num_layers
-        verify = w.config.verify_checksums
-        self._pending_whole = {key: w.verifier.submit(src.check_whole) for key, src in self._views.items()
-                               if verify and src.whole}
-        # Copies per lent stripe: (source rows, destination block ids), the same in every layer.
-        self._view_copies: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-        self._plan = []
-        for req in self.reqs:
-            for chunk in req.chunks:
-                if not self._alive(req, chunk) or not self._chunk_present(req, chunk):
-                    continue
-                if verify and not all(self._pending_whole.get((s, t.stripe_id)) is not None
-                                      or self._views[(s, t.stripe_id)].check_chunk(t)
-                                      for s, t in enumerate(chunk.tickets)):
-                    w.stats["load_integrity_errors"] += 1
-                    self._drop_bad(req, chunk)
-                    continue
-                dst_ids = []
-                for pos, block_id in zip(chunk.block_positions, chunk.block_ids):
-                    s, slot = w.plan.shard_of_block(pos)
-                    t = chunk.tickets[s]
-                    src, dst = self._view_copies[self._views[(s, t.stripe_id)].group]
-                    src.append(t.block_offset + slot)
-                    dst.append(block_id)
-                    dst_ids.append(block_id)
-                self._plan.append((req, chunk, dst_ids))
-
-    def _drop_bad(self, req: RequestTransfer, chunk: ChunkTransfer) -> None:
-        """Fail a chunk whose bytes are corrupt on some shard and forget it on the shards where it is."""
-        for s, t in enumerate(chunk.tickets):
-            source = self._views.get((s, t.stripe_id))
-            if source is not None and not source.check_chunk(t):
-                self.w.drop(chunk.chunk_hash, s)
-        self._fail(req.req_id, chunk.chunk_idx)
+    def _read_shard(self, s: int, reads: list[RangeRead]) -> None:
+        """One batched ranged read of one shard (into a bank, or straight into the KV cache)."""
+        self.reads.read(s, reads, cancelled=self._cancelled, deadline=self.deadline)
 
     def _chunk_present(self, req: RequestTransfer, chunk: ChunkTransfer) -> bool:
         """False (and the chunk fails) if a shard's stripe is gone (its ticket is dropped) or unreadable."""
-        with self._state_lock:
-            gone, broken = set(self._missing), set(self._errored)
+        with self.reads.lock:
+            gone, broken = set(self.reads.missing), set(self.reads.errored)
         lost = [s for s, t in enumerate(chunk.tickets) if (s, t.stripe_id) in gone]
         for s in lost:  # a ticket whose stripe is gone is not offered again
             self.w.drop(chunk.chunk_hash, s)
@@ -333,46 +236,6 @@ class LoadJob:
             return by_shard
         return fill
 
-    def _read_shard(self, s: int, reads: list[RangeRead]) -> None:
-        """One batched ranged read of one shard into the bank; failures are recorded, never raised."""
-        w = self.w
-        if self._cancelled.is_set() or s in self._failed_shards or time.monotonic() > self.deadline:
-            with self._state_lock:
-                self._errored.update((s, r.stripe_id) for r in reads)
-            return
-        try:
-            ok = w.backends[s].read_ranges(reads)
-            with self._state_lock:
-                self._missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
-        except ValueError as exc:  # a stored value disagrees with its ticket: find which, stripe by stripe
-            logger.warning("Range load from shard %d: %s", s, exc)
-            w.stats["load_integrity_errors"] += 1
-            self._reread_each_stripe(s, reads)
-        except BackendError as exc:
-            if not self._cancelled.is_set():  # (a cancelled direct receive ends with its gate's refusal)
-                logger.warning("Range load from shard %d: %s", s, exc)
-                w.stats["load_backend_errors"] += 1
-            self._failed_shards.add(s)
-            with self._state_lock:
-                self._errored.update((s, r.stripe_id) for r in reads)
-
-    def _reread_each_stripe(self, s: int, reads: list[RangeRead]) -> None:
-        """After a shard's batched read was refused as inconsistent, read stripe by stripe (only on this error
-        path) so that only the stripes whose values disagree with their tickets are treated as gone."""
-        by_stripe: dict[str, list[RangeRead]] = defaultdict(list)
-        for r in reads:
-            by_stripe[r.stripe_id].append(r)
-        for stripe_id, stripe_reads in by_stripe.items():
-            try:
-                target = None if all(self.w.backends[s].read_ranges(stripe_reads)) else self._missing
-            except ValueError:
-                target = self._missing
-            except BackendError:
-                target = self._errored
-            if target is not None:
-                with self._state_lock:
-                    target.add((s, stripe_id))
-
     # ------------------------------------------------------------------ delivery
     def group_of(self, layer_idx: int) -> int:
         """Index of the layer group that holds ``layer_idx``."""
@@ -388,8 +251,8 @@ class LoadJob:
         while self._next_group <= last:
             g = self._next_group
             self._next_group += 1
-            if self.views:
-                self._deliver_view_group(g)
+            if self.lent is not None:
+                self.lent.deliver(g)
             elif self.direct is not None:
                 self._deliver_direct_group(g)
             else:
@@ -399,23 +262,6 @@ class LoadJob:
                 self.layer_delivered_s[layer] = now
             if self._delivered:
                 self._delivered[g].set()
-
-    def _deliver_view_group(self, g: int) -> None:
-        if time.monotonic() > self.deadline:
-            self._give_up(g, "the load deadline passed")
-            return
-        group_source = {src.group: src for src in self._views.values()}
-        with self.lock:
-            if self.closed:
-                return
-            for group_idx, (src_rows, dst_ids) in self._view_copies.items():
-                source = group_source[group_idx]
-                dst = torch.tensor(dst_ids, dtype=torch.long)
-                src = row_selector(src_rows)
-                for layer_idx in self.groups[g]:
-                    for p in range(self.num_planes):
-                        self._copy(layer_idx, p, dst, source.tensors[layer_idx][p], src)
-                self.w.stats["copy_launches"] += len(self.groups[g]) * self.num_planes
 
     def _give_up(self, g: int, why: str) -> None:
         """Layers from group ``g`` on will not be delivered: every chunk of the job fails."""
@@ -446,7 +292,8 @@ class LoadJob:
                 if self._alive(req, chunk):
                     self._chunk_present(req, chunk)
             if w.config.verify_checksums:
-                self._verify_group(group, lambda grp, row, n: self._bank_sums(buf, grp, row, n))
+                verify_group(self, group, lambda grp, row, n: bank_sums(buf, grp, row, n, self.num_planes,
+                                                                         self.region_bytes, self.row_bytes))
             src_rows, dst_ids = [], []
             for req, chunk, _parts, c_src, c_dst in self._plan:
                 if self._alive(req, chunk):
@@ -481,58 +328,17 @@ class LoadJob:
         except Exception as exc:  # deadline or a failed read task: nothing more can be trusted
             self._give_up(g, str(exc) or type(exc).__name__)
             return
-        with self._state_lock:
-            any_lost = bool(self._missing or self._errored)
+        with self.reads.lock:
+            any_lost = bool(self.reads.missing or self.reads.errored)
         if any_lost:  # (a whole load of healthy stripes costs nothing per chunk here)
             for req, chunk, _parts, _src, _dst in self._plan:
                 if self._alive(req, chunk):
                     self._chunk_present(req, chunk)
         if self.w.config.verify_checksums:
             assert self.direct is not None
-            self._verify_group(group, self.direct.sums)
+            verify_group(self, group, self.direct.sums)
         if not any(self._alive(req, chunk) and dst for req, chunk, _parts, _src, dst in self._plan):
             self.cancel()  # nothing left to load: stop reading the remaining layer groups
-
-    def _verify_group(self, group: range, sums_of) -> None:
-        """Segments that hold a whole stripe are verified once per layer; a chunk of a verified segment needs no
-        check of its own, a chunk of a failed one is checked alone (to fail only the bad chunks).
-
-        ``sums_of(group, first_row, num_rows)`` -> per layer of the group, xxh3 of those rows of every plane."""
-        whole_ok: dict[tuple[int, str], bool] = {}
-        for seg in self.segments:
-            t = seg.ticket
-            if t.stripe_checksums and seg.first_block == 0 and seg.num_blocks == t.stripe_blocks:
-                sums = sums_of(group, seg.bank_row, seg.num_blocks)
-                whole_ok[(seg.shard_idx, t.stripe_id)] = sums == [t.stripe_checksums[i] for i in group]
-        if len(whole_ok) == len(self.segments) and all(whole_ok.values()):
-            return  # every segment is a whole stripe that verified: so is every chunk in it
-        for req, chunk, parts, _src, _dst in self._plan:
-            if not self._alive(req, chunk):
-                continue
-            for s, t, seg in parts:
-                if whole_ok.get((s, t.stripe_id)):
-                    continue
-                rel = seg.bank_row + t.block_offset - seg.first_block
-                if sums_of(group, rel, t.num_blocks) != [t.checksums[i] for i in group]:
-                    logger.warning("Range load: checksum mismatch in stripe %s layers %d-%d blocks [%d, %d)",
-                                   t.stripe_id, group.start, group.stop - 1, t.block_offset,
-                                   t.block_offset + t.num_blocks)
-                    self.w.stats["load_integrity_errors"] += 1
-                    self.w.drop(chunk.chunk_hash, s)
-                    self._fail(req.req_id, chunk.chunk_idx)
-                    break
-
-    def _bank_sums(self, buf: torch.Tensor, group: range, first_row: int, num_rows: int) -> list[int]:
-        """xxh3 of rows ``[first_row, first_row + num_rows)`` of every plane, per layer of the group."""
-        mv = memoryview(buf.numpy()).cast("B")
-        out = []
-        for layer_idx in group:
-            h = xxhash.xxh3_64()
-            for p in range(self.num_planes):
-                start = ((layer_idx - group.start) * self.num_planes + p) * self.region_bytes + first_row * self.row_bytes
-                h.update(mv[start:start + num_rows * self.row_bytes])
-            out.append(h.intdigest())
-        return out
 
     def _copy(self, layer_idx: int, plane_idx: int, dst: torch.Tensor, src_rows: torch.Tensor,
               src: slice | torch.Tensor) -> None:
@@ -577,12 +383,7 @@ class LoadJob:
         self.cancel()
         self.finished = True
         self._bank_copied()
-        if self.views:
-            bad = {key for key, fut in self._pending_whole.items() if not fut.result()}
-            for req, chunk, _dst in self._plan:
-                if self._alive(req, chunk) and any((s, t.stripe_id) in bad and not self._views[(s, t.stripe_id)]
-                                                   .check_chunk(t) for s, t in enumerate(chunk.tickets)):
-                    self.w.stats["load_integrity_errors"] += 1
-                    self._drop_bad(req, chunk)
+        if self.lent is not None:
+            self.lent.settle()
         self.done = [(entry[1].chunk_hash, list(range(len(entry[1].tickets))), entry[-1]) for entry in self._plan
                      if self._alive(entry[0], entry[1])]

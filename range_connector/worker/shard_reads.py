@@ -1,0 +1,85 @@
+"""The reads of one load job from its tier's shards, and what they found.
+
+Each read is one batched ranged read of one shard (:meth:`ShardReads.read`), on the job's reader thread or on one
+of the shard readers; it never raises. What it finds is kept per ``(shard, stripe id)``: stripes that are gone or
+whose values disagree with their tickets (:attr:`ShardReads.missing`: their tickets lie and are dropped) and stripes
+whose read failed (:attr:`ShardReads.errored`: transient, their tickets are kept). After a shard fails, the job reads
+nothing more from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import MutableMapping, Sequence
+
+from range_connector.backends.base import Backend, RangeRead
+from range_connector.errors import BackendError
+
+logger = logging.getLogger("vllm.range_connector.worker.loads")
+
+
+class ShardReads:
+    """Reads of one job, and their outcome per stripe.
+
+    Args:
+        backends: ``[num_shards]`` the worker's backends.
+        stats: the worker's counters (``load_integrity_errors``, ``load_backend_errors``).
+
+    Attributes:
+        missing: ``(shard_idx, stripe_id)`` of stripes that are gone (their tickets lie: dropped).
+        errored: ``(shard_idx, stripe_id)`` of stripes whose read failed (transient: tickets kept).
+        failed_shards: shards whose read raised a tier error (not asked again by this job).
+        lock: guards ``missing`` and ``errored`` (reads run on several threads).
+    """
+
+    def __init__(self, backends: Sequence[Backend], stats: MutableMapping[str, int]) -> None:
+        self.backends = backends
+        self.stats = stats
+        self.missing: set[tuple[int, str]] = set()
+        self.errored: set[tuple[int, str]] = set()
+        self.failed_shards: set[int] = set()
+        self.lock = threading.Lock()
+
+    def read(self, s: int, reads: list[RangeRead], *, cancelled: threading.Event, deadline: float) -> None:
+        """One batched ranged read of shard ``s`` into the reads' destinations; failures are recorded, never
+        raised. Nothing is read once the job is ``cancelled``, past its ``deadline`` (``time.monotonic()``), or from
+        a shard that failed."""
+        if cancelled.is_set() or s in self.failed_shards or time.monotonic() > deadline:
+            with self.lock:
+                self.errored.update((s, r.stripe_id) for r in reads)
+            return
+        try:
+            ok = self.backends[s].read_ranges(reads)
+            with self.lock:
+                self.missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
+        except ValueError as exc:  # a stored value disagrees with its ticket: find which, stripe by stripe
+            logger.warning("Range load from shard %d: %s", s, exc)
+            self.stats["load_integrity_errors"] += 1
+            self._reread_each_stripe(s, reads)
+        except BackendError as exc:
+            if not cancelled.is_set():  # (a cancelled direct receive ends with its gate's refusal)
+                logger.warning("Range load from shard %d: %s", s, exc)
+                self.stats["load_backend_errors"] += 1
+            self.failed_shards.add(s)
+            with self.lock:
+                self.errored.update((s, r.stripe_id) for r in reads)
+
+    def _reread_each_stripe(self, s: int, reads: list[RangeRead]) -> None:
+        """After a shard's batched read was refused as inconsistent, read stripe by stripe (only on this error
+        path) so that only the stripes whose values disagree with their tickets are treated as gone."""
+        by_stripe: dict[str, list[RangeRead]] = defaultdict(list)
+        for r in reads:
+            by_stripe[r.stripe_id].append(r)
+        for stripe_id, stripe_reads in by_stripe.items():
+            try:
+                target = None if all(self.backends[s].read_ranges(stripe_reads)) else self.missing
+            except ValueError:
+                target = self.missing
+            except BackendError:
+                target = self.errored
+            if target is not None:
+                with self.lock:
+                    target.add((s, stripe_id))
