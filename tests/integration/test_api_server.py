@@ -86,7 +86,8 @@ def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, runtime_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    kv_config = connector_config({"runtime_dir": str(runtime_dir), "chunk_tokens": CHUNK_TOKENS})
+    kv_config = connector_config({"runtime_dir": str(runtime_dir), "chunk_tokens": CHUNK_TOKENS,
+                                  "tiers": [{"type": "valkey", "timeout_s": 5.0}]})  # the tree spelling
     assert "kv_connector_module_path" not in kv_config  # the entry point must register the connector
     proc = ServerProcess(
         model_dir,
@@ -98,6 +99,7 @@ def server(model_dir: Path, runtime_dir: Path, tmp_path_factory: pytest.TempPath
     )
     with proc:
         proc.wait_ready(timeout_s=STARTUP_TIMEOUT_S)
+        assert "deprecated" not in proc.log_text()  # (the flat shorthand warns; the tree does not)
         yield proc
     assert process_group_pids(proc.pid) == [], "engine processes outlived stop()"
 
@@ -136,6 +138,7 @@ def test_unreachable_valkey_url_fails_start_up(model_dir: Path, tmp_path: Path) 
         )
         assert code != 0
         assert "valkey_urls" in log, f"log does not name valkey_urls; last lines:\n{proc.log_tail()}"
+        assert "tiers[0].servers" in log  # the deprecation warning's new spelling
         assert "127.0.0.1:1" in log
     assert process_group_pids(proc.pid) == []
     print(f"server with an unreachable Valkey URL exited with code {code} after {elapsed_s:.1f} s")

@@ -85,6 +85,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
                            kv_transfer_config=kv_config, extra_args=["--no-enable-prefix-caching"])
     with server:
         server.wait_ready(timeout_s=300)
+        # The flat one-tier shorthand of earlier versions still starts an engine, and says how to write it now.
+        log = server.log_text()
+        assert "deprecated one-tier shorthand" in log and '"testing": {"control_file"' in log
         yield Setup(server, model_dir, tmp / "kv", control_file)
 
 
