@@ -18,7 +18,7 @@ test: $(STAMP)
 
 venv: $(STAMP)
 
-# pip (not uv) so that torch comes from the machine's local wheel directory (NOTES-vllm-cpu.md).
+# pip (not uv): pip is configured to take torch from the machine's local wheel directory; uv and poetry are not.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "Installing range-connector[cpu,test,bench] into $(VENV) (a few minutes the first time)..."

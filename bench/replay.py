@@ -40,7 +40,7 @@ connector, as on an engine whose cache is far smaller than the working set).
 Usage::
 
     python bench/replay.py                                     # synthetic trace, none/range/example
-    python bench/replay.py --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \\
+    python bench/replay.py --trace path/to/mooncake_conversation_trace.jsonl \\
         --conversations --count 100 --token-scale 0.03125 --time-scale 0.02 --warmup 10
 """
 

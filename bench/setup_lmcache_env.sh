@@ -4,7 +4,7 @@
 #
 # Idempotent: creates the venv if missing, installs what is missing, removes CUDA-only packages (dead weight
 # on CPU), and checks the imports. Usage: bash bench/setup_lmcache_env.sh [VENV_DIR]
-# pip (not uv): torch comes from the machine's local wheel directory (see NOTES-vllm-cpu.md); it is
+# pip (not uv): torch comes from the machine's local wheel directory (pip's configured find-links); it is
 # installed first and pinned so that lmcache's dependencies cannot replace it with a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."

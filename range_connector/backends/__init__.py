@@ -3,6 +3,6 @@
 latency-injecting wrapper for slow-tier tests and benches (``latency``), and the factory that opens one backend per
 shard from the config (``factory``).
 
-Every tier passes the same conformance suite (``tests/backends/test_conformance.py``). May import: ``errors``, ``kv``,
+Every tier passes the same conformance suite (``tests/backends/test_conformance_*.py``). May import: ``errors``, ``kv``,
 ``config``.
 """

@@ -3,9 +3,9 @@
 A save batch becomes one *stripe* per shard: for every layer one value ``[num_planes, stripe_blocks, row_bytes]``
 (on Valkey a value of its own, read whole; sub-ranges only for partial hits), plus one small *ticket* per chunk
 (:mod:`range_connector.kv.tickets`). Every operation below is one round trip whatever the number of chunks or layers
-it covers, so the cost of the storage path follows bytes and stripes, not logical objects (DESIGN.md §3.1).
+it covers, so the cost of the storage path follows bytes and stripes, not logical objects (docs/architecture.md, principle 1).
 
-Contract (checked by ``tests/backends/test_conformance.py`` against every backend):
+Contract (checked by ``tests/backends/test_conformance_*.py`` against every backend):
 
 * ``write_stripe`` stores the layer values, then publishes the tickets; a reader that sees a ticket can read its
   stripe. When ``capacity_bytes`` is set, room is made by evicting least-recently-used stripes that hold no lease,

@@ -87,7 +87,7 @@ class MemoryBackend(Backend):
             for key, raw in write.tickets:
                 self._tickets[key] = (write.stripe_id, bytes(raw))
         # One command per layer value and one for all the tickets (an MSET on Valkey): the cost of a write follows
-        # layers and bytes, not the number of chunks (DESIGN.md §3.1).
+        # layers and bytes, not the number of chunks (docs/architecture.md, principle 1).
         self._count(round_trips=1, commands=len(values) + bool(write.tickets), bytes_written=need,
                     allocations=len(values))
         return True

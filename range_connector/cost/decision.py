@@ -1,4 +1,4 @@
-"""The cost model's decision: whether, how much and how to load one request's hit (DESIGN.md §3.2 and §5).
+"""The cost model's decision: whether, how much and how to load one request's hit (docs/cost-model.md).
 
 :func:`decide` turns the formulas of :mod:`range_connector.cost.model` into a per-request :class:`Decision`: take the
 hit, take a shorter one (whole chunks), or refuse (:class:`Action`); asynchronous loading when the load is long
@@ -37,7 +37,7 @@ class Action(enum.Enum):
 
 
 class LoadMode(enum.Enum):
-    """How a taken hit is loaded (DESIGN.md §4, "Load")."""
+    """How a taken hit is loaded (docs/architecture.md, "The path of one request")."""
 
     PIPELINED = "pipelined"  # ``(n, False)``: computed in the same step, layer ``l`` waits for layer ``l`` only
     ASYNC = "async"  # ``(n, True)``: waits in WAITING_FOR_REMOTE_KVS while other requests run

@@ -1,4 +1,4 @@
-"""The cost model: load a hit only when it beats recomputing it (DESIGN.md §3.2 and §5).
+"""The cost model: load a hit only when it beats recomputing it (docs/cost-model.md).
 
 Formulas, after *When the KV Cache Is Slower Than the GPU* (arXiv 2610.21500), with ``h`` tokens to load, ``s`` KV
 bytes per token, ``B`` the tier's delivered bytes/s and ``T0`` the fixed seconds every hit pays:
@@ -152,7 +152,7 @@ def combine_shards(shards: Sequence[TierEstimate]) -> TierEstimate:
 
 
 def load_time_s(hit_tokens: int, bytes_per_token: float, bandwidth_bytes_per_s: float, t0_s: float) -> float:
-    """Seconds to load a hit: ``T0 + h·s/B`` (arXiv 2610.21500; DESIGN.md §5).
+    """Seconds to load a hit: ``T0 + h·s/B`` (arXiv 2610.21500; docs/cost-model.md).
 
     Args:
         hit_tokens: ``h``, tokens loaded; 0 means no load at all (0 s, no ``T0``).

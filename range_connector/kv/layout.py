@@ -10,7 +10,7 @@ Shapes handled:
 * ``[2, num_blocks, ...]`` (K and V planes, as on CUDA flash-attention layouts): two planes.
 
 Rows are viewed as ``int64`` when the row size allows: scattering int64 rows measured ~5x faster than uint8 rows
-on this CPU (NOTES-vllm-cpu.md, "Copy costs").
+on the 2-core development machine (512 MiB as 4,096 scattered 128 KiB blocks: 0.072 s against 0.39 s).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ identities) enter the first link of the request's chain.
 
 Chain: ``h_0 = H(namespace || request_salt)``, ``h_i = H(h_{i-1} || token ids of chunk i as little-endian int32)``,
 with ``H`` = BLAKE3 truncated to 16 bytes. It is a cryptographic hash, stable across processes and restarts (never
-Python's ``hash()``): a collision here would serve wrong KV (DESIGN.md §3.6).
+Python's ``hash()``): a collision here would serve wrong KV (docs/architecture.md, principle 6).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ chunk size, and a chunk is read back out of a stripe by byte range. A batch larg
 split into several stripes at chunk boundaries.
 
 Reads are planned per (shard, stripe, layer, plane) as the smallest byte span covering the wanted chunks, so the
-number of reads and copies follows stripes and layers, not chunks (DESIGN.md §3.1).
+number of reads and copies follows stripes and layers, not chunks (docs/architecture.md, principle 1).
 """
 
 from __future__ import annotations

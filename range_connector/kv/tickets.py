@@ -4,7 +4,7 @@ One ticket per (chunk, shard): which stripe holds the shard's slice of the chunk
 those bytes in every layer. Lookup reads the tickets of a whole prompt in one batched request per shard (``MGET`` on
 Valkey: one command whatever the number of chunks); loads then read byte ranges of stripes, never one object per
 chunk. Tickets are msgpack (never pickle) and are checked against the registered layout before use: a ticket that
-does not fit is a miss (DESIGN.md §3.6).
+does not fit is a miss (docs/architecture.md, principle 6).
 """
 
 from __future__ import annotations

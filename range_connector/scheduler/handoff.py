@@ -1,4 +1,4 @@
-"""The disaggregated hand-off (DESIGN.md §4): what a prefill engine (``kv_producer``) announces when a request ends,
+"""The disaggregated hand-off (docs/disaggregated.md): what a prefill engine (``kv_producer``) announces when a request ends,
 and how long a decode engine (``kv_consumer``) waits for the KV it was announced.
 
 A producer answers ``kv_transfer_params = {"range": {"settings", "num_tokens", "chain_head", ...}}`` for the tokens

@@ -53,7 +53,7 @@ def connector_config(extra: Mapping[str, Any], role: str = "kv_both") -> str:
     """Build the JSON for ``--kv-transfer-config`` that enables the Range connector.
 
     Args:
-        extra: ``kv_connector_extra_config`` (keys: :data:`range_connector.config.CONFIG_KEYS`).
+        extra: ``kv_connector_extra_config`` (keys: docs/configuration.md).
         role: vLLM's ``kv_role``: ``"kv_both"``, ``"kv_producer"`` or ``"kv_consumer"``.
 
     Returns:

@@ -1,7 +1,7 @@
 """The cost model's formulas and decision (``range_connector.cost.model``, ``range_connector.cost.decision``), checked
 against the published figures.
 
-Published (arXiv 2610.21500, as quoted in DESIGN.md §5): ``B* = s·R = 2.53 GB/s``, ``T0 = 0.33 s``, prompts shorter
+Published (arXiv 2610.21500): ``B* = s·R = 2.53 GB/s``, ``T0 = 0.33 s``, prompts shorter
 than about 17k tokens never win at any bandwidth, a 16k-token prompt recomputes in 0.31 s while its remote hit took
 0.88 s, and the partitioned tier fetched 10.76 GB/s after a 6.3x speed-up. *Derived by us* from those (not
 published): ``R = 17k / T0 ≈ 51.5k`` tokens/s and ``s = B*/R ≈ 49 KB`` per token.

@@ -160,7 +160,7 @@ def test_chunks_computed_on_top_of_a_failed_load_are_not_saved(failure: str) -> 
 
 @pytest.mark.timeout(30)
 def test_producer_does_not_save_chunks_already_stored() -> None:
-    # A prefill-only engine (DESIGN.md §4, disaggregated prefill) serving the same long system prompt twice.
+    # A prefill-only engine (docs/disaggregated.md) serving the same long system prompt twice.
     backends = shard_backends(1, 1)
     prompt = prompt_tokens(150, seed=36)
     p = Engine(backends, can_load=False, can_save=True, seed=3)
