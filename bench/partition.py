@@ -3,11 +3,12 @@ per shard) and from one shared server holding the same S shards, in the same run
 
 The payload (default 256 MiB) is KV of the bench GQA model's layout (``bench/bench_kv_layout.py``: 32 layers, 8
 KV heads, head size 128, bf16, block size 32; 128 KiB per token), saved once per case by a real
-:class:`~range_connector.worker.facade.RangeWorker` over S :class:`~range_connector.backends.valkey.client.ValkeyBackend` shards
-(one stripe per shard: the same bytes and tickets that P rank writers store, see ``tests/unit/test_pcp_rank_view.py``)
-and looked up with a real :class:`~range_connector.scheduler.facade.RangeScheduler` (``stored_prefix``: the min over
-shards). Cases: ``partitioned`` (shard s on server s) for S = 1, 2, 4, and ``shared`` (all S shards on one more
-server) for S = 2, 4; S = 1 is both. Two restore paths per case, rounds interleaved across cases (order rotated):
+:class:`~range_connector.worker.facade.RangeWorker` over S
+:class:`~range_connector.backends.valkey.client.ValkeyBackend` shards (one stripe per shard: the same bytes and tickets
+that P rank writers store, see ``tests/unit/test_pcp_rank_view.py``) and looked up with a real
+:class:`~range_connector.scheduler.facade.RangeScheduler` (``stored_prefix``: the min over shards). Cases:
+``partitioned`` (shard s on server s) for S = 1, 2, 4, and ``shared`` (all S shards on one more server) for
+S = 2, 4; S = 1 is both. Two restore paths per case, rounds interleaved across cases (order rotated):
 
 * ``worker``: a PCP=1 reader (a decode engine) restores with the real ``RangeWorker.start_load`` into freshly zeroed
   KV tensors at shuffled block ids (banks, checksums, index copies included); byte-exact check outside the timing.

@@ -23,12 +23,12 @@ bandwidth is switched between cells while the engines run.
    ``B_be`` over the lengths; the wrapper's cap giving a delivered ``B`` is ``1/(1/B - 1/B0)``.
 3. **Grid.** After each change of bandwidth, ``--settle-requests`` unmeasured loads let the gate learn the new
    speed (the cells measure its decisions; the slow-tier scenario, its adaptation). Per (bandwidth, length) cell,
-   a fresh prompt is sent once to ``always`` and ``gate`` (not measured: it is computed and stored), then ``--runs`` rounds, each sending the prompt to the three engines in rotated
-   order, vLLM's own prefix cache emptied before every request (``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE``);
-   ``max_tokens = 1``; TTFT as the client sees it; tokens loaded per request from the ``/metrics`` counter
-   ``vllm:external_prefix_cache_hits_total``. Per cell: medians, the oracle ``min(always, never)``, the gate's ratio
-   to it. Summary: share of cells with the gate within 10% of the oracle (target >= 90%) and the regret
-   ``sum(gate - oracle) / sum(oracle)`` (target <= 5%).
+   a fresh prompt is sent once to ``always`` and ``gate`` (not measured: it is computed and stored), then ``--runs``
+   rounds, each sending the prompt to the three engines in rotated order, vLLM's own prefix cache emptied before every
+   request (``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE``); ``max_tokens = 1``; TTFT as the client sees it; tokens
+   loaded per request from the ``/metrics`` counter ``vllm:external_prefix_cache_hits_total``. Per cell: medians, the
+   oracle ``min(always, never)``, the gate's ratio to it. Summary: share of cells with the gate within 10% of the oracle
+   (target >= 90%) and the regret ``sum(gate - oracle) / sum(oracle)`` (target <= 5%).
 4. **Slow tier** (``gate`` only, the longest prompt): requests one after another with the tier fast, then switched
    to slow (``--slow-factor``), then fast again; per request the tokens loaded (full hit / partial: a probe or a
    shortened hit / none) and TTFT. Reported: requests until the gate stops taking the full hit, partial loads per

@@ -7,7 +7,8 @@ How the counters travel (vLLM 0.32): each worker's ``get_kv_connector_stats`` is
 (``v1/worker/kv_connector_model_runner_mixin.py``), the workers' stats are summed by ``KVOutputAggregator``
 (``kv_connector/utils.py``), the scheduler adds its own (``Scheduler.update_from_output``, after
 ``update_connector_output``), and the sum rides in ``SchedulerStats.kv_connector_stats`` to the front end, where
-``PrometheusStatLogger`` hands it to :meth:`range_connector.connector.stats.RangePromMetrics.observe` with the engine's index.
+``PrometheusStatLogger`` hands it to :meth:`range_connector.connector.stats.RangePromMetrics.observe` with the engine's
+index.
 
 Tokens are counted once per engine, on the scheduler side (:class:`LoadTally`): a load is settled when the
 workers' metadata says how it ended, with failures from every worker merged the way vLLM merges invalid blocks.

@@ -1,8 +1,8 @@
 """Shared fixtures: real Valkey servers on loopback (one per shard) and server-side command counts.
 
-Servers are started with :func:`range_connector.backends.valkey.servers.ensure_servers` in a runtime dir of their own and
-stopped with :func:`~range_connector.backends.valkey.servers.stop_servers` at teardown, killing by recorded pid as a last
-resort so that no server outlives the session. A test is skipped only when no ``valkey-server`` binary exists.
+Servers are started with :func:`range_connector.backends.valkey.servers.ensure_servers` in a runtime dir of their own
+and stopped with :func:`~range_connector.backends.valkey.servers.stop_servers` at teardown, killing by recorded pid as a
+last resort so that no server outlives the session. A test is skipped only when no ``valkey-server`` binary exists.
 """
 
 from __future__ import annotations

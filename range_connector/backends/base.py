@@ -3,7 +3,8 @@
 A save batch becomes one *stripe* per shard: for every layer one value ``[num_planes, stripe_blocks, row_bytes]``
 (on Valkey a value of its own, read whole; sub-ranges only for partial hits), plus one small *ticket* per chunk
 (:mod:`range_connector.kv.tickets`). Every operation below is one round trip whatever the number of chunks or layers
-it covers, so the cost of the storage path follows bytes and stripes, not logical objects (docs/architecture.md, principle 1).
+it covers, so the cost of the storage path follows bytes and stripes, not logical objects (docs/architecture.md,
+principle 1).
 
 Contract (checked by ``tests/backends/test_conformance_*.py`` against every backend):
 

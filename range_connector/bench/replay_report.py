@@ -122,8 +122,8 @@ def comparison_rows(reports: Sequence[ReplayReport], baseline: str = "none") -> 
 
 
 def check_cell(check: dict[str, Any] | None) -> str:
-    """``yes``, or ``NO (hits - accounted: +N)``, for :func:`range_connector.bench.replay_metrics.connector_check`; aborted
-    loads and loads of re-admitted (preempted) requests are named when there are any; ``-`` without Range."""
+    """``yes``, or ``NO (hits - accounted: +N)``, for :func:`range_connector.bench.replay_metrics.connector_check`;
+    aborted loads and loads of re-admitted (preempted) requests are named when there are any; ``-`` without Range."""
     if check is None:
         return "-"
     verdict = "yes" if check["agrees"] else f"NO (hits - accounted: {check['difference_tokens']:+d})"

@@ -1,5 +1,6 @@
 """A deterministic synthetic trace in the Mooncake format: multi-turn conversations over a few shared system
-prompts, with Poisson arrivals (for the demo and for tests; real traces are read by :mod:`range_connector.bench.traces`).
+prompts, with Poisson arrivals (for the demo and for tests; real traces are read by
+:mod:`range_connector.bench.traces`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """``RangeConnector``: vLLM's KV-connector facade. It builds the scheduler or the worker half by role and every
 hook is one delegating line (the halves are :class:`~range_connector.scheduler.facade.RangeScheduler` and
-:class:`~range_connector.worker.facade.RangeWorker`). On a context-parallel rank (several writer ranks: PCP size P > 1, or
-DCP size D > 1) the worker hooks go to :class:`~range_connector.worker.pcp_router.PcpWorkerRouter` instead, which wraps the
-rank's own ``RangeWorker`` and the ranks' agreement and per-layer exchange (:mod:`range_connector.worker.pcp`)."""
+:class:`~range_connector.worker.facade.RangeWorker`). On a context-parallel rank (several writer ranks: PCP size P > 1,
+or DCP size D > 1) the worker hooks go to :class:`~range_connector.worker.pcp_router.PcpWorkerRouter` instead, which
+wraps the rank's own ``RangeWorker`` and the ranks' agreement and per-layer exchange
+(:mod:`range_connector.worker.pcp`)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ logger = logging.getLogger("vllm." + __name__)
 
 @dataclass
 class RangeStepMetadata(KVConnectorMetadata):
-    """vLLM's carrier of one step's plan, scheduler -> workers (:class:`~range_connector.kv.metadata.RangeConnectorMetadata`)."""
+    """vLLM's carrier of one step's plan, scheduler -> workers
+    (:class:`~range_connector.kv.metadata.RangeConnectorMetadata`)."""
 
     plan: RangeConnectorMetadata
 
@@ -72,7 +74,8 @@ class RangeConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.spec = spec = RangeSpec.from_vllm(vllm_config, kv_cache_config, in_worker=role != KVConnectorRole.SCHEDULER)
+        in_worker = role != KVConnectorRole.SCHEDULER
+        self.spec = spec = RangeSpec.from_vllm(vllm_config, kv_cache_config, in_worker=in_worker)
         config, plan = spec.config, spec.plan
         if config.load_mode != spec.requested_load_mode:
             logger.warning("Range: load_mode %r becomes 'sync' with %d context-parallel ranks (they agree on what "

@@ -101,11 +101,11 @@ def decide(prompt_tokens: int, num_computed_tokens: int, hit_tokens: int, *, byt
     * PIPELINED: ``T0 + max(X, Y) + min(X, Y)/num_layers`` (:func:`pipelined_time_s`);
 
     against ``C([c, prompt))`` without a load. The cheapest candidate is taken if it saves more than
-    ``min_saving_s`` (and more than rounding: a tie is refused); ``h' < H`` is a SHORTEN (this pays in pipelined mode when the tier is slower than compute:
-    load a prefix while the rest is computed). ``Y`` is concave in ``h'`` and ``X`` linear, so either cost is
-    concave on each side of the point where ``X`` overtakes ``Y``: only both ends and the two candidates around that
-    point are evaluated (found by bisection).
-    With ``probe`` a refusal becomes the shortest candidate, flagged ``is_probe``, so the tier is re-measured.
+    ``min_saving_s`` (and more than rounding: a tie is refused); ``h' < H`` is a SHORTEN (this pays in pipelined mode
+    when the tier is slower than compute: load a prefix while the rest is computed). ``Y`` is concave in ``h'`` and
+    ``X`` linear, so either cost is concave on each side of the point where ``X`` overtakes ``Y``: only both ends and
+    the two candidates around that point are evaluated (found by bisection). With ``probe`` a refusal becomes the
+    shortest candidate, flagged ``is_probe``, so the tier is re-measured.
 
     Args:
         prompt_tokens: prompt length, tokens.

@@ -205,7 +205,8 @@ class CostGate:
         """A load's deadline, seconds: twice its expected time ``load_s``, at most what recomputing its tokens would
         cost (``recompute_s``: past that, waiting can only lose), within ``[min_s, max_s]`` (``min_s`` keeps timer
         noise and a first, seed-based estimate from failing healthy loads; ``max_s`` is the configured
-        ``load_deadline_s``). docs/architecture.md, "The path of one request": a slow tier holds a request no longer than this.
+        ``load_deadline_s``). docs/architecture.md, "The path of one request": a slow tier holds a request no longer
+        than this.
         """
         return min(max_s, max(min_s, min(2.0 * load_s, recompute_s)))
 

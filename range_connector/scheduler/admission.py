@@ -1,8 +1,8 @@
-"""Admission of hits through the cost model (docs/cost-model.md): with ``load_mode`` ``auto`` the gate takes, shortens or
-refuses each hit and picks its load mode; in the fixed modes a load predicted to miss its own deadline is not
-started. A refused tier that lives elsewhere is re-measured by a background probe (the worker reads one stored
-chunk; :mod:`range_connector.worker.probes`), one in flight at a time, so that a tier that recovers is offered
-again. The gate learns ``R`` from the engine's steps and ``B``, ``T0`` from the workers' loads and probes.
+"""Admission of hits through the cost model (docs/cost-model.md): with ``load_mode`` ``auto`` the gate takes, shortens
+or refuses each hit and picks its load mode; in the fixed modes a load predicted to miss its own deadline is not
+started. A refused tier that lives elsewhere is re-measured by a background probe (the worker reads one stored chunk;
+:mod:`range_connector.worker.probes`), one in flight at a time, so that a tier that recovers is offered again. The gate
+learns ``R`` from the engine's steps and ``B``, ``T0`` from the workers' loads and probes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The disaggregated hand-off (docs/disaggregated.md): what a prefill engine (``kv_producer``) announces when a request ends,
-and how long a decode engine (``kv_consumer``) waits for the KV it was announced.
+"""The disaggregated hand-off (docs/disaggregated.md): what a prefill engine (``kv_producer``) announces when a request
+ends, and how long a decode engine (``kv_consumer``) waits for the KV it was announced.
 
 A producer answers ``kv_transfer_params = {"range": {"settings", "num_tokens", "chain_head", ...}}`` for the tokens
 it stored (durable: written in the step that computed them, before vLLM answers). A consumer that receives them

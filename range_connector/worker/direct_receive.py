@@ -18,8 +18,8 @@ land twice: such loads keep the bank path.
 
 The destination blocks belong to the request being loaded, so bytes land there before they are verified; a chunk
 that fails its checksum fails as on the bank path (its blocks are reported and vLLM recomputes them), and a layer is
-handed to attention only after its group landed and was verified (:mod:`range_connector.worker.loads`). The gate of every
-``ScatterDest`` is the load job's: once the job is cancelled (aborted request, passed deadline) nothing more is
+handed to attention only after its group landed and was verified (:mod:`range_connector.worker.loads`). The gate of
+every ``ScatterDest`` is the load job's: once the job is cancelled (aborted request, passed deadline) nothing more is
 written. CUDA KV caches keep the bank path (pinned staging, copy stream).
 
 Why (measured on the 2-core development machine on 29 November 2026, restoring 512 MiB of the granularity bench's KV,

@@ -6,7 +6,8 @@ that the in-process DRAM tier lends. The step's pipelined loads are delivered la
 (``wait_for_layer_load``); asynchronous loads by a background thread while the engine runs other requests, and
 reported through ``get_finished``. A step's saves become, per shard, one stripe write, inside ``wait_for_save``
 (after the forward, from blocks the step owns: preemption and block reuse cannot mix foreign KV into a stripe).
-The number of round trips, reads and copies follows shards, stripes, layers and bytes, never chunks (docs/architecture.md, principle 1).
+The number of round trips, reads and copies follows shards, stripes, layers and bytes, never chunks
+(docs/architecture.md, principle 1).
 """
 
 from __future__ import annotations

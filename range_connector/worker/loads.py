@@ -4,10 +4,11 @@ A :class:`LoadJob` covers the chunks of one or more requests that are loaded tog
 plans the reads (one segment per (shard, stripe)) and either borrows read-only views of the stored stripes (a tier
 that can lend them: the in-process DRAM tier), or queues one read per layer group on the transfer banks' reader
 thread (:mod:`range_connector.worker.banks`): into a bank, or, when the KV cache is in host memory and the tier can
-scatter, straight into the destination blocks (:mod:`range_connector.worker.direct_receive`). :meth:`LoadJob.deliver_through`
-then delivers the groups up to a layer, in order: it waits for the group's read (bounded by the job's deadline),
-verifies the chunks against their checksums and, from a bank, copies them into the destination blocks with one
-batched index copy per (layer, plane). Who calls it decides the load mode (docs/architecture.md, "The path of one request"):
+scatter, straight into the destination blocks (:mod:`range_connector.worker.direct_receive`).
+:meth:`LoadJob.deliver_through` then delivers the groups up to a layer, in order: it waits for the group's read (bounded
+by the job's deadline), verifies the chunks against their checksums and, from a bank, copies them into the destination
+blocks with one batched index copy per (layer, plane). Who calls it decides the load mode (docs/architecture.md, "The
+path of one request"):
 
 * *layer-pipelined*: the forward's ``wait_for_layer_load(layer)`` delivers up to that layer only, so attention of
   layer ``l`` waits for layer ``l`` while later layers are still being read;

@@ -3,9 +3,10 @@ worker hook when the engine has several writer ranks (PCP size P > 1, or DCP siz
 
 :class:`PcpWorkerRouter` owns the rank's :class:`~range_connector.worker.facade.RangeWorker` (over the rank's
 :class:`~range_connector.kv.sharding.RankSlice`: its own shards ``r, r + W, ...``, each on its own server) and its
-:class:`~range_connector.worker.pcp.PcpExchange`, and routes each hook as the protocol in :mod:`range_connector.worker.pcp`
-prescribes. The multi-process harness (``tests/pcp/rank_process.py``) drives this same class, so the harness tests
-what the product runs. With one writer rank the connector does not build it (the plain worker path is unchanged).
+:class:`~range_connector.worker.pcp.PcpExchange`, and routes each hook as the protocol in
+:mod:`range_connector.worker.pcp` prescribes. The multi-process harness (``tests/pcp/rank_process.py``) drives this same
+class, so the harness tests what the product runs. With one writer rank the connector does not build it (the plain
+worker path is unchanged).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Conformance, tickets and costs: ticket lookups in one round trip, the cost of every call following bytes and not
-chunks (docs/architecture.md, principle 1), deleted tickets and dropped stripes (C27), and the byte counters; for every backend.
+chunks (docs/architecture.md, principle 1), deleted tickets and dropped stripes (C27), and the byte counters; for every
+backend.
 
 The backends and their :class:`~tests.backends.conformance.Store` are in ``tests/backends/conformance.py``; the
 ``store`` fixture that runs each test once per backend is in ``tests/backends/conftest.py``.
@@ -57,7 +58,7 @@ class TestStripeStoreContract(StripeStoreContract):
         assert all(Ticket.decode(raw, num_layers=2, layer_block_bytes=16, num_blocks=1) == t
                    for raw, t in zip(b.get_tickets(s.keys[:5]), s.tickets))
 
-    # ------------------------------------------------------------------ cost follows bytes (docs/architecture.md, principle 1)
+    # ----------------------------------------------------------- cost follows bytes (docs/architecture.md, principle 1)
     @pytest.mark.timeout(60)
     def test_cost_follows_bytes_not_chunks(self, store: Store) -> None:
         # A fixed payload of 8 MiB over 8 layers (1 MiB per layer: 2 planes x 128 blocks x 4 KiB), stored as one

@@ -2,8 +2,9 @@
 
 One vLLM OpenAI API server (CPU, tiny GQA model, file tier, vLLM's own prefix cache off so every repeat is a Range
 hit) serves three prompts, each sent twice; each measured send is read with the replay's own reader
-(:func:`range_connector.bench.replay_metrics.snapshot_metrics` before, :func:`~range_connector.bench.replay_metrics.settle_metrics`
-after: the counters must have arrived by the time the engine's TTFT and prompt counters have):
+(:func:`range_connector.bench.replay_metrics.snapshot_metrics` before,
+:func:`~range_connector.bench.replay_metrics.settle_metrics` after: the counters must have arrived by the time the
+engine's TTFT and prompt counters have):
 
 1. a stored prompt loads whole: vLLM's external hit tokens == Range's loaded tokens (no failed ones), and the
    bytes loaded equal the tokens times the model's KV bytes per token (from its ``config.json``);

@@ -5,12 +5,12 @@
   the pool kills its own processes (by pid) if one does not answer. Groups of ranks ``[0, P)`` exist for every P up
   to ``world_size``, so one pool serves P = 2 and P = 4 scenarios.
 * :class:`SchedulerSide`: the real :class:`~range_connector.scheduler.facade.RangeScheduler` over one
-  :class:`~range_connector.backends.valkey.client.ValkeyBackend` per shard, driven the way vLLM 0.32's scheduler drives it
-  (``v1/core/sched/scheduler.py``: ``get_num_new_matched_tokens`` L973-981, ``allocate_slots`` L1254-1271,
-  ``update_state_after_alloc`` L1288-1293, ``num_computed_tokens`` = local + external L1367,
-  ``build_connector_meta`` L1530/L1561, ``update_connector_output`` with the workers' aggregated metadata L3219,
-  ``request_finished`` L3051 and the id in the next step's ``finished_req_ids``). One scheduler per engine, as in
-  vLLM (the engine-core process), sends the same metadata to every rank.
+  :class:`~range_connector.backends.valkey.client.ValkeyBackend` per shard, driven the way vLLM 0.32's scheduler drives
+  it (``v1/core/sched/scheduler.py``: ``get_num_new_matched_tokens`` L973-981, ``allocate_slots`` L1254-1271,
+  ``update_state_after_alloc`` L1288-1293, ``num_computed_tokens`` = local + external L1367, ``build_connector_meta``
+  L1530/L1561, ``update_connector_output`` with the workers' aggregated metadata L3219, ``request_finished`` L3051 and
+  the id in the next step's ``finished_req_ids``). One scheduler per engine, as in vLLM (the engine-core process), sends
+  the same metadata to every rank.
 * :class:`PcpEngine`: a scheduler side plus the worker sides of P ranks in the pool: one engine step sends the
   step's metadata to every rank and aggregates their worker metadata.
 """

@@ -84,7 +84,7 @@ def test_a_pipelined_request_that_finishes_before_its_report_is_not_aborted() ->
     assert tally.counts["loaded_tokens"] == 32 and tally.counts["aborted_tokens"] == 0
 
 
-# ---------------------------------------------------------------------------------------------------- through the halves
+# --------------------------------------------------------------------------------------------------- through the halves
 def test_corrupt_chunk_counts_its_tokens_and_later_ones_as_failed_not_loaded() -> None:
     inner = shard_backends(1, 1)
     prompt = prompt_tokens(150, seed=81)

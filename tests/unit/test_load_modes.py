@@ -276,10 +276,10 @@ def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: st
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "pipelined"])
 def test_a_load_predicted_to_miss_its_deadline_is_not_started_and_the_tier_is_probed_instead(mode: str) -> None:
-    # The estimators believe the tier delivers 1 kB/s (clamped to 100 kB/s): loading the hit would take longer than its deadline
-    # (bounded by the 0.4 s that recomputing it costs), so starting it could only make the request wait 0.4 s and then
-    # recompute. The hit is not offered; one of its chunks is read in the background instead, and the tier, in fact
-    # fast, is offered again once that timing is back. No request waited, nothing was written into the KV cache.
+    # The estimators believe the tier delivers 1 kB/s (clamped to 100 kB/s): loading the hit would take longer than its
+    # deadline (bounded by the 0.4 s that recomputing it costs), so starting it could only make the request wait 0.4 s
+    # and then recompute. The hit is not offered; one of its chunks is read in the background instead, and the tier, in
+    # fact fast, is offered again once that timing is back. No request waited, nothing was written into the KV cache.
     from range_connector.cost.estimators import RateEstimator
     from range_connector.cost.gate import CostGate, GateConfig
     from range_connector.cost.model import PrefillRate
@@ -376,9 +376,10 @@ def test_auto_mode_takes_a_hit_on_a_fast_tier_refuses_it_on_a_slow_one_and_learn
 
 @pytest.mark.timeout(60)
 def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast() -> None:
-    # The gate believes the tier delivers 1 kB/s (clamped to 100 kB/s; recomputing the hit: 0.26 s): it refuses, and instead of making the request load a chunk to
-    # re-measure it, the worker reads one stored chunk in the background; the tier is in fact fast, so the probe's
-    # timing brings the hit back. No request waited for the probe, and nothing was written into the KV cache.
+    # The gate believes the tier delivers 1 kB/s (clamped to 100 kB/s; recomputing the hit: 0.26 s): it refuses, and
+    # instead of making the request load a chunk to re-measure it, the worker reads one stored chunk in the background;
+    # the tier is in fact fast, so the probe's timing brings the hit back. No request waited for the probe, and nothing
+    # was written into the KV cache.
     from range_connector.cost.gate import CostGate, GateConfig
 
     inner = shard_backends(2, 2)
@@ -443,7 +444,7 @@ def test_a_tier_that_cannot_pay_for_any_hit_is_neither_looked_up_nor_written_bet
     b.close()
 
 
-# ---------------------------------------------------------------------------------------------------- slow tier, engine steps
+# ---------------------------------------------------------------------------------------------- slow tier, engine steps
 def _slow(backends, *, delay_s: float = 0.0, write_bandwidth: float = 0.0):
     from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
 

@@ -26,8 +26,8 @@ go at the next rewrite of the log.
 Durability: a save's bytes are in the page cache before its tickets are published, so every process that sees a
 ticket reads the stripe, even if the writer died. ``fsync=True`` adds power-loss durability (three fsyncs per
 save); off by default: the tier is a cache, and a torn stripe reads as a miss (short file) or fails its checksum
-one layer up. Bytes are returned as stored: a flipped byte reaches the caller, whose checksum (docs/architecture.md, principle 6)
-catches it; headers and log frames are checked, and a damaged frame ends the log where it starts.
+one layer up. Bytes are returned as stored: a flipped byte reaches the caller, whose checksum (docs/architecture.md,
+principle 6) catches it; headers and log frames are checked, and a damaged frame ends the log where it starts.
 
 Every call is one round trip on an I/O thread pool with a deadline for the whole call (``BackendTimeoutError``);
 I/O stops between system calls (at most 64 MiB each) once the caller has given up. ``commands`` counts I/O requests:
