@@ -421,11 +421,14 @@ def main(argv: list[str] | None = None) -> int:
 
         def file_tier(directory: Path) -> list[dict[str, Any]]:
             return [{"type": "file", "directory": str(directory), "testing": {"control_file": str(control_file)}}]
+
         if args.load_deadline_s is not None:
             common["load_deadline_s"] = args.load_deadline_s
         engines = {"never": Engine("never", args.model_dir, work, args, None),
                    "always": Engine("always", args.model_dir, work, args,
-                                    {**common, "load_mode": "pipelined", "tiers": file_tier(work / "kv-always")})}
+                                    {**common, "load_mode": "pipelined", "tiers": file_tier(work / "kv-always"),
+                                     # "always" loads every hit: no load is refused for a predicted late finish
+                                     "min_load_deadline_s": common.get("load_deadline_s", 30.0)})}
         try:
             for e in engines.values():
                 e.server.start()

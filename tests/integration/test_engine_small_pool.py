@@ -26,8 +26,12 @@ def test_case_C13_loads_needing_more_blocks_than_free_do_not_stall_the_engine(tm
     engine_args = {"num_gpu_blocks_override": NUM_BLOCKS}
     connector = {"runtime_dir": str(tmp_path / "runtime"), "chunk_tokens": 128, "load_mode": "async"}
     try:
-        ref = run_engine(tmp_path, "reference", {"model": str(model), "connector": None, "block_size": BLOCK, "max_model_len": 1024,
-                                                   "engine_args": engine_args, "steps": [
+        # The reference runs the producer's sequence first, so that the prefixes it reuses from vLLM's own prefix cache
+        # were computed the way the stored ones were (a prefix computed inside a longer prompt can differ in the last
+        # bf16 bits, and on this random-weight model that flips greedy tokens: docs/benchmarks.md, "Why reused KV changes outputs").
+        ref = run_engine(tmp_path, "reference", {"model": str(model), "connector": None, "block_size": BLOCK,
+                                                   "max_model_len": 1024, "engine_args": engine_args, "steps": [
+            {"op": "generate", "prompts": [p1]}, {"op": "generate", "prompts": [p2]},
             {"op": "generate", "prompts": [e1, e2], "max_tokens": 32}]})
         run_engine(tmp_path, "producer", {"model": str(model), "connector": connector, "block_size": BLOCK, "max_model_len": 1024,
                                           "engine_args": engine_args, "steps": [
@@ -40,5 +44,5 @@ def test_case_C13_loads_needing_more_blocks_than_free_do_not_stall_the_engine(tm
     finally:
         stop_servers(tmp_path / "runtime")
     assert got[0]["external_hits"] > 0, "the stored prefixes were loaded"
-    assert got[0]["token_ids"] == ref[0]["token_ids"]
+    assert got[0]["token_ids"] == ref[2]["token_ids"]
     assert got[1]["stats"]["loaded_blocks"] > 0
