@@ -99,7 +99,7 @@ def server(model_dir: Path, runtime_dir: Path, tmp_path_factory: pytest.TempPath
     )
     with proc:
         proc.wait_ready(timeout_s=STARTUP_TIMEOUT_S)
-        assert "deprecated" not in proc.log_text()  # (the flat shorthand warns; the tree does not)
+        assert "deprecated one-tier shorthand" not in proc.log_text()  # (the flat shorthand warns; the tree does not)
         yield proc
     assert process_group_pids(proc.pid) == [], "engine processes outlived stop()"
 
