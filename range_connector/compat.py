@@ -108,9 +108,27 @@ def model_identity(vllm_config: VllmConfig) -> dict[str, Any]:
         "dtype": str(mc.dtype),
         "quantization": str(getattr(mc, "quantization", None)),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
-        "tp": vllm_config.parallel_config.tensor_parallel_size,
-        "pp": vllm_config.parallel_config.pipeline_parallel_size,
     }
+
+
+def kv_heads(vllm_config: VllmConfig, group: AttentionGroup) -> tuple[int, int, int]:
+    """``(total_heads, local_heads, tp_size)``: the model's KV heads per layer (``model_config.
+    get_total_num_kv_heads()``; 1 for MLA, whose latent row every rank holds), the heads in this engine's KV-cache
+    spec (per rank) and the tensor-parallel size."""
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if group.is_mla:
+        return 1, 1, tp_size
+    local = int(dict(group.spec_fields)["num_kv_heads"])
+    try:
+        total = int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        total = local * tp_size
+    return total, local, tp_size
+
+
+def pipeline_parallel_size(vllm_config: VllmConfig) -> int:
+    """``parallel_config.pipeline_parallel_size``."""
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
 
 
 def kv_connector_in_process() -> Any:

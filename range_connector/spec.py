@@ -19,6 +19,8 @@ from range_connector import compat
 from range_connector.backends.factory import open_shard_backends
 from range_connector.config import RangeConfig
 from range_connector.errors import ConfigError
+from range_connector.kv.heads import RankLayout, group_view, rank_layout
+from range_connector.kv.metadata import RangeConnectorMetadata
 from range_connector.kv.namespace import FORMAT_VERSION, namespace_fingerprint
 from range_connector.kv.sharding import ShardPlan, check_shard_count, shards_of_rank
 from range_connector.scheduler.facade import RangeScheduler
@@ -82,14 +84,27 @@ def deployment_plan(config: RangeConfig, cp: compat.ContextParallel, block_size:
     return config, plan
 
 
+def head_spec(group: compat.AttentionGroup, ranks: RankLayout) -> dict[str, str]:
+    """The KV-cache spec's fields with the per-rank sizes replaced by the model's: ``num_kv_heads`` is the model's
+    total and ``page_size_bytes`` becomes ``head_page_size_bytes`` (one block of one layer of one head), so that the
+    namespace does not depend on the tensor-parallel size (the heads a ticket covers are in the ticket)."""
+    spec = dict(group.spec_fields)
+    local_heads = ranks.rank_slices[0].count
+    spec["num_kv_heads"] = str(ranks.total_heads)
+    spec["head_page_size_bytes"] = str(group.page_size_bytes // local_heads)
+    del spec["page_size_bytes"]
+    return spec
+
+
 def build_namespace(vllm_config: VllmConfig, config: RangeConfig, group: compat.AttentionGroup,
-                    plan: ShardPlan) -> tuple[bytes, dict]:
+                    plan: ShardPlan, ranks: RankLayout) -> tuple[bytes, dict]:
     """Fingerprint of everything that changes KV bytes for this deployment (see :mod:`range_connector.kv.namespace`);
-    the slicing rule is the plan's (:attr:`~range_connector.kv.sharding.ShardPlan.rule`)."""
+    the slicing rule is the plan's (:attr:`~range_connector.kv.sharding.ShardPlan.rule`). The tensor-parallel size
+    is not in it (:func:`head_spec`)."""
     fields = {
         "format_version": FORMAT_VERSION,
         "model": compat.model_identity(vllm_config),
-        "kv_spec": dict(group.spec_fields),
+        "kv_spec": head_spec(group, ranks),
         "num_layers": len(group.layer_names),
         "packing": compat.kv_packing(vllm_config, group),
         "block_size": group.block_size,
@@ -102,10 +117,22 @@ def build_namespace(vllm_config: VllmConfig, config: RangeConfig, group: compat.
 
 
 def producer_settings(namespace_fields: dict) -> dict:
-    """The settings a producer and a consumer must share, by name (sent in ``kv_transfer_params``; JSON-safe)."""
+    """The settings a producer and a consumer must share, by name (sent in ``kv_transfer_params``; JSON-safe).
+
+    Nested fields are flattened to dotted names (``kv_spec.dtype``, ``model.cache_dtype``), so that a mismatch
+    names the very setting (the proxy's HTTP 409 and both engines' logs)."""
     keys = ("model", "block_size", "chunk_tokens", "num_shards", "num_layers", "kv_spec", "packing", "shard_rule",
             "format_version")
-    return {k: json.loads(json.dumps(namespace_fields[k], default=str)) for k in keys if k in namespace_fields}
+    out: dict = {}
+    for k in keys:
+        if k not in namespace_fields:
+            continue
+        value = json.loads(json.dumps(namespace_fields[k], default=str))
+        if isinstance(value, dict):
+            out.update({f"{k}.{sub}": v for sub, v in value.items()})
+        else:
+            out[k] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -124,6 +151,9 @@ class RangeSpec:
         kv_role: vLLM's ``kv_role`` (``kv_both``, ``kv_producer`` or ``kv_consumer``).
         namespace: the fingerprint of everything that changes KV bytes (:func:`build_namespace`).
         namespace_fields: what went into it, by name.
+        ranks: which KV heads each tensor-parallel rank holds, the ticket groups and their writers
+            (:mod:`range_connector.kv.heads`).
+        tp_rank: this process's tensor-parallel rank (0 in the engine core).
 
     Raises:
         ConfigError: from :meth:`from_vllm`, for bad config or a backend that does not answer (names the key).
@@ -138,6 +168,8 @@ class RangeSpec:
     kv_role: str
     namespace: bytes
     namespace_fields: dict
+    ranks: RankLayout
+    tp_rank: int = 0
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, in_worker: bool) -> RangeSpec:
@@ -147,16 +179,28 @@ class RangeSpec:
         group = compat.attention_group(kv_cache_config)
         cp = compat.context_parallel(vllm_config, in_worker=in_worker)
         parsed = RangeConfig.from_extra_config(extra)
+        pp_size = compat.pipeline_parallel_size(vllm_config)
+        if pp_size > 1:
+            raise ConfigError("pipeline_parallel_size", f"is {pp_size}: a hit needs every stage's layers, and "
+                                                        "RangeConnector stores one stage's; run it with "
+                                                        "pipeline_parallel_size 1")
         config, plan = deployment_plan(parsed, cp, group.block_size,
                                        num_shards_set="num_shards" in extra or bool(parsed.tier.servers))
-        namespace, fields = build_namespace(vllm_config, config, group, plan)
+        total_heads, local_heads, tp_size = compat.kv_heads(vllm_config, group)
+        ranks = rank_layout(total_heads, tp_size, local_heads=local_heads,
+                            process_local=config.tier.type == "memory")
+        if cp.dcp_size > 1 and ranks.num_groups > 1:
+            raise ConfigError("decode_context_parallel_size", f"is {cp.dcp_size} with KV heads split over "
+                                                              f"{tp_size} tensor-parallel ranks, which "
+                                                              "RangeConnector does not serve (MLA models only)")
+        namespace, fields = build_namespace(vllm_config, config, group, plan, ranks)
         if transfer.kv_role == "kv_producer" and config.save_mode == "async":
             # A prefill engine's answer (kv_transfer_params) promises KV that is stored: its saves end in the step.
             config = dataclasses.replace(config, save_mode="sync")
             if in_worker:
                 logger.info("Range: kv_producer saves synchronously (save_mode \"async\" ignored)")
         return cls(config, parsed.load_mode, plan, cp, group, kv_cache_config.num_blocks, transfer.kv_role,
-                   namespace, fields)
+                   namespace, fields, ranks, compat.tp_rank() if in_worker else 0)
 
     def build_scheduler(self) -> RangeScheduler:
         """The scheduler half (engine-core process); it opens the remote tiers' backends (the DRAM tier's index
@@ -167,22 +211,29 @@ class RangeSpec:
             config, self.namespace, self.group.block_size * self.cp.dcp_size, backends,
             can_load=self.kv_role in LOADING_ROLES, can_save=self.kv_role in SAVING_ROLES,
             num_layers=len(self.group.layer_names), layer_block_bytes=self.group.page_size_bytes,
-            settings=producer_settings(self.namespace_fields), plan=self.plan)
+            settings=producer_settings(self.namespace_fields), plan=self.plan, groups=self.ranks.groups)
+
+    def rank_view(self, meta: RangeConnectorMetadata) -> RangeConnectorMetadata:
+        """The scheduler's metadata as this rank's worker sees it: each chunk's tickets cut to the rank's ticket
+        group (:func:`range_connector.kv.heads.group_view`)."""
+        return group_view(meta, self.ranks.rank_group[self.tp_rank], self.ranks.num_groups, self.config.num_shards)
 
     def build_worker(self) -> tuple[RangeWorker, PcpWorkerRouter | None]:
         """The worker half (one per worker process) and, on a context-parallel rank (several writers), the router
         that wraps the rank's own worker with the ranks' agreement and exchange."""
         config, plan, group = self.config, self.plan, self.group
+        heads = {"head_slice": self.ranks.rank_slices[self.tp_rank],
+                 "ticket_group": self.ranks.rank_group[self.tp_rank], "is_writer": self.ranks.writers[self.tp_rank]}
         if plan.num_writers > 1:
             rank = self.cp.dcp_rank if plan.splits_blocks else self.cp.pcp_rank
             router = PcpWorkerRouter(
                 config, plan, rank, compat.cp_process_group(dcp=plan.splits_blocks), group.block_size,
                 group.layer_names, self.num_blocks,
                 open_shard_backends(config, shards_of_rank(rank, plan.num_writers, plan.num_shards)),
-                tp_rank=compat.tp_rank())
+                tp_rank=self.tp_rank, **heads)
             return router.worker, router
         worker = RangeWorker(config, group.block_size, group.layer_names, self.num_blocks,
-                             open_shard_backends(config), tp_rank=compat.tp_rank())
+                             open_shard_backends(config), tp_rank=self.tp_rank, **heads)
         if compat.mla_layer_hooks_missing(group.is_mla) and os.environ.get(NO_MLA_FALLBACK_ENV) != "1":
             logger.warning("Range: MLA attention on this platform takes its direct-call branch, which does not "
                            "call the connector's per-layer hooks, and the engine patch is not applied "

@@ -154,7 +154,7 @@ class RangeConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, RangeStepMetadata):
             return RangeConnectorMetadata()
-        return meta.plan
+        return self.spec.rank_view(meta.plan)
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

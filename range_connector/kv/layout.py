@@ -33,6 +33,10 @@ class KVLayout:
         num_planes: planes per layer (1, or 2 for separate K and V planes).
         row_bytes: bytes of one (layer, plane, block) row.
         row_dtype: element type of the row views (``torch.int64`` or ``torch.uint8``).
+        num_heads: KV heads in a row (this rank's).
+        head_runs: how a row splits by head: ``[head_runs, num_heads, row_bytes / (head_runs * num_heads)]``
+            (1 where heads are outermost, as on CPU dense attention; the block size for ``[2, num_blocks,
+            block_size, heads, head_size]``; 0 when the shape does not tell, and rows cannot be split by head).
     """
 
     layer_names: tuple[str, ...]
@@ -40,6 +44,8 @@ class KVLayout:
     num_planes: int
     row_bytes: int
     row_dtype: torch.dtype
+    num_heads: int = 1
+    head_runs: int = 1
 
     @property
     def num_row_groups(self) -> int:
@@ -71,8 +77,18 @@ def _planes(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tens
     )
 
 
+def _head_runs(tensor: torch.Tensor, num_blocks: int, num_heads: int) -> int:
+    """Runs of ``num_heads`` heads per row of one plane (see :attr:`KVLayout.head_runs`)."""
+    shape = tuple(tensor.shape)
+    if len(shape) == 4 and shape[0] == num_blocks and shape[1] == num_heads:  # [blocks, heads, block_size, ...]
+        return 1
+    if len(shape) == 5 and shape[:2] == (2, num_blocks) and shape[3] == num_heads:  # [2, blocks, bs, heads, hs]
+        return shape[2]
+    return 1 if num_heads == 1 and len(shape) != 5 else 0
+
+
 def block_rows(
-    kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
+    kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int, num_heads: int = 1
 ) -> tuple[KVLayout, list[torch.Tensor]]:
     """View the registered KV tensors as rows.
 
@@ -80,6 +96,7 @@ def block_rows(
         kv_caches: ``{layer_name: tensor}`` as given to ``register_kv_caches``.
         layer_names: the attention layers to serve, in model order.
         num_blocks: engine blocks per layer (``KVCacheConfig.num_blocks``).
+        num_heads: KV heads this rank holds (for :attr:`KVLayout.head_runs`).
 
     Returns:
         The layout and ``num_layers * num_planes`` views, each ``[num_blocks, row_elems]`` sharing storage with
@@ -105,5 +122,9 @@ def block_rows(
     row_dtype = torch.int64 if rb % 8 == 0 else torch.uint8
     if row_dtype is torch.int64:
         views = [v.view(torch.int64) for v in views]
-    layout = KVLayout(tuple(layer_names), num_blocks, num_planes, rb, row_dtype)
+    runs = {_head_runs(kv_caches[name], num_blocks, num_heads) for name in layer_names}
+    head_runs = runs.pop() if len(runs) == 1 else 0
+    if head_runs and rb % (head_runs * num_heads):
+        head_runs = 0
+    layout = KVLayout(tuple(layer_names), num_blocks, num_planes, rb, row_dtype, num_heads, head_runs)
     return layout, views

@@ -25,7 +25,9 @@ class ChunkTransfer:
         chunk_hash: its prefix hash.
         block_positions: positions (within the chunk, ``0 <= p < blocks_per_chunk``) of the blocks to move.
         block_ids: engine block ids, one per position.
-        tickets: for loads, ``[num_shards]`` tickets (where each shard's slice lives); empty for saves.
+        tickets: for loads, where each shard's slice lives: ``[num_groups * num_shards]`` tickets, group-major, as
+            the scheduler sends them (one group per head slice: :mod:`range_connector.kv.heads`), ``[num_shards]``
+            once cut to one rank's group (:func:`~range_connector.kv.heads.group_view`); empty for saves.
     """
 
     chunk_idx: int
@@ -65,7 +67,8 @@ class RangeConnectorMetadata:
 
     loads: list[RequestTransfer] = field(default_factory=list)
     saves: list[RequestTransfer] = field(default_factory=list)
-    #: ``[num_shards]`` tickets of one stored chunk per probe of a refused tier (:mod:`range_connector.worker.probes`)
+    #: ``[num_groups * num_shards]`` tickets of one stored chunk per probe of a refused tier
+    #: (:mod:`range_connector.worker.probes`)
     probes: list[tuple[Ticket, ...]] = field(default_factory=list)
 
 
@@ -74,7 +77,8 @@ class RangeWorkerMetadata:
     """Worker -> scheduler metadata of one engine step.
 
     Attributes:
-        saved: ``(chunk hash, [num_shards] tickets)`` of chunks whose every shard was written by this worker.
+        saved: ``(chunk hash, ticket group, [num_shards] tickets)`` of chunks whose every shard was written by this
+            worker (the group tells the DRAM tier's index whose stripes they are: :mod:`range_connector.kv.heads`).
         dropped: chunk hashes found corrupt on load, or evicted from a worker's DRAM tier.
         loaded: requests whose load of this step finished (loaded or failed): their leases can go.
         failed_loads: ``(req_id, chunk_idx)``: the request's load failed from that chunk on; those chunks are
@@ -86,7 +90,7 @@ class RangeWorkerMetadata:
         probe_timings: ``(bytes per shard, seconds, complete)`` of each background probe of a refused tier.
     """
 
-    saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = field(default_factory=list)
+    saved: list[tuple[ChunkHash, int, tuple[Ticket, ...]]] = field(default_factory=list)
     dropped: list[ChunkHash] = field(default_factory=list)
     failed_loads: list[tuple[str, int]] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)

@@ -20,7 +20,7 @@ import numpy as np
 from blake3 import blake3
 
 #: Bump when the byte format of stored values changes: old entries then miss instead of being misread.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: The rule that maps blocks of a chunk to shards (see sharding.py).
 SHARD_RULE = "block-round-robin-v1"
 HASH_BYTES = 16

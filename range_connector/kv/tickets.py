@@ -1,7 +1,9 @@
 """Tickets: small metadata records that map a chunk of the prefix hash chain to physical extents in a stripe.
 
-One ticket per (chunk, shard): which stripe holds the shard's slice of the chunk, where inside it, and the checksum of
-those bytes in every layer. Lookup reads the tickets of a whole prompt in one batched request per shard (``MGET`` on
+One ticket per (chunk, shard, head slice): which stripe holds the shard's slice of the chunk for the KV heads one
+tensor-parallel rank holds, where inside it, and the checksum of those bytes in every layer. A ticket is published
+under one key per head it covers (:func:`ticket_key`), so that the keys do not depend on the writer's
+tensor-parallel size (:mod:`range_connector.kv.heads`). Lookup reads the tickets of a whole prompt in one batched request per shard (``MGET`` on
 Valkey: one command whatever the number of chunks); loads then read byte ranges of stripes, never one object per
 chunk. Tickets are msgpack (never pickle) and are checked against the registered layout before use: a ticket that
 does not fit is a miss (docs/architecture.md, principle 6).
@@ -15,12 +17,17 @@ import msgpack
 
 from range_connector.kv.namespace import ChunkHash
 
-TICKET_VERSION = 1
+TICKET_VERSION = 2
 
 
-def ticket_key(chunk_hash: ChunkHash, shard_idx: int, tp_rank: int = 0) -> bytes:
-    """Key of the ticket of one shard's slice of one chunk."""
-    return b"rc2:t:%s:s%d:r%d" % (chunk_hash.hex().encode(), shard_idx, tp_rank)
+def ticket_key(chunk_hash: ChunkHash, shard_idx: int, head: int = 0) -> bytes:
+    """Key of the ticket that covers KV head ``head`` of one shard's slice of one chunk."""
+    return b"rc2:t:%s:s%d:h%d" % (chunk_hash.hex().encode(), shard_idx, head)
+
+
+def head_keys(chunk_hash: ChunkHash, shard_idx: int, heads: range) -> list[bytes]:
+    """Keys a ticket covering ``heads`` is published under (one per head: :func:`ticket_key`)."""
+    return [ticket_key(chunk_hash, shard_idx, h) for h in heads]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +48,8 @@ class Ticket:
         checksums: ``[num_layers]`` xxh3-64 of this chunk's bytes in each layer (planes in order).
         stripe_checksums: ``[num_layers]`` xxh3-64 of each whole layer value of the stripe (empty if unknown): a
             load that reads the whole stripe verifies it once per layer instead of once per chunk and layer.
+        head_start: first KV head (of the model's) the bytes cover.
+        num_heads: KV heads the bytes cover (a row is those heads of one block of one plane of one layer).
     """
 
     stripe_id: str
@@ -52,6 +61,8 @@ class Ticket:
     row_bytes: int
     checksums: tuple[int, ...]
     stripe_checksums: tuple[int, ...] = ()
+    head_start: int = 0
+    num_heads: int = 1
 
     @property
     def layer_bytes(self) -> int:
@@ -66,36 +77,66 @@ class Ticket:
     def encode(self) -> bytes:
         """msgpack bytes."""
         fields = [TICKET_VERSION, self.stripe_id, self.block_offset, self.num_blocks, self.stripe_blocks,
-                  self.num_layers, self.num_planes, self.row_bytes, list(self.checksums)]
-        if self.stripe_checksums:
-            fields.append(list(self.stripe_checksums))
+                  self.num_layers, self.num_planes, self.row_bytes, list(self.checksums), self.head_start,
+                  self.num_heads, list(self.stripe_checksums)]
         return msgpack.packb(fields)
 
     @classmethod
-    def decode(cls, raw: bytes | None, *, num_layers: int, layer_block_bytes: int, num_blocks: int) -> Ticket | None:
-        """Parse and bounds-check a ticket read from a tier.
+    def decode(cls, raw: bytes | None, *, num_layers: int, layer_block_bytes: int, num_blocks: int,
+               heads: tuple[int, int] = (0, 1)) -> Ticket | None:
+        """Parse and bounds-check a ticket read from a tier, for a reader that holds exactly its heads.
 
         Args:
             raw: the bytes, or ``None`` for a miss.
             num_layers: layers of the registered layout.
-            layer_block_bytes: bytes of one block of one layer (all planes), as registered.
+            layer_block_bytes: bytes of one block of one layer (all planes) of the reader's heads, as registered.
             num_blocks: blocks of a chunk on one shard.
+            heads: ``(head_start, num_heads)`` the reader holds: a ticket for other heads is a miss.
 
         Returns:
             The ticket, or ``None`` if it is missing, malformed or does not match the layout (never raises).
         """
+        t = cls._parse(raw, num_layers=num_layers, num_blocks=num_blocks)
+        if t is None or t.num_planes * t.row_bytes != layer_block_bytes or (t.head_start, t.num_heads) != heads:
+            return None
+        return t
+
+    @classmethod
+    def decode_covering(cls, raw: bytes | None, *, num_layers: int, head_block_bytes: int, num_blocks: int,
+                        head: int) -> Ticket | None:
+        """Parse and bounds-check a ticket read under KV head ``head``'s key, whatever heads its writer held.
+
+        Args:
+            raw: the bytes, or ``None`` for a miss.
+            num_layers: layers of the registered layout.
+            head_block_bytes: bytes of one block of one layer (all planes) of one KV head.
+            num_blocks: blocks of a chunk on one shard.
+            head: the head whose key it was read under: the ticket must cover it.
+
+        Returns:
+            The ticket, or ``None`` if it is missing, malformed, does not cover ``head`` or its rows are not its
+            heads' bytes (never raises).
+        """
+        t = cls._parse(raw, num_layers=num_layers, num_blocks=num_blocks)
+        if t is None or not t.head_start <= head < t.head_start + t.num_heads:
+            return None
+        if t.num_planes * t.row_bytes != t.num_heads * head_block_bytes or t.row_bytes % t.num_heads:
+            return None
+        return t
+
+    @classmethod
+    def _parse(cls, raw: bytes | None, *, num_layers: int, num_blocks: int) -> Ticket | None:
         if raw is None:
             return None
         try:
             v = msgpack.unpackb(raw, use_list=True, strict_map_key=True)
-            if not isinstance(v, list) or len(v) not in (9, 10) or v[0] != TICKET_VERSION:
+            if not isinstance(v, list) or len(v) != 12 or v[0] != TICKET_VERSION:
                 return None
-            _, stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, checksums = v[:9]
-            stripe_sums = v[9] if len(v) == 10 else []
-            ints = (block_offset, nb, stripe_blocks, nl, npl, rb)
+            _, stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, checksums, h0, nh, stripe_sums = v
+            ints = (block_offset, nb, stripe_blocks, nl, npl, rb, h0, nh)
             if not isinstance(stripe_id, str) or not all(type(x) is int for x in ints):
                 return None
-            if (nl, npl * rb, nb) != (num_layers, layer_block_bytes, num_blocks) or npl < 1 or rb < 1:
+            if (nl, nb) != (num_layers, num_blocks) or npl < 1 or rb < 1 or h0 < 0 or not 1 <= nh <= 1 << 16:
                 return None
             if block_offset < 0 or stripe_blocks <= 0 or block_offset + nb > stripe_blocks:
                 return None
@@ -107,6 +148,7 @@ class Ticket:
                     return None
             if not stripe_id or len(stripe_id) > 64 or not stripe_id.isalnum():
                 return None
-            return cls(stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, tuple(checksums), tuple(stripe_sums))
+            return cls(stripe_id, block_offset, nb, stripe_blocks, nl, npl, rb, tuple(checksums), tuple(stripe_sums),
+                       h0, nh)
         except (ValueError, TypeError, msgpack.UnpackException):
             return None

@@ -12,6 +12,7 @@ state, load and save plans) and :mod:`~range_connector.scheduler.handoff` (disag
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from range_connector.backends.base import Backend
@@ -19,6 +20,7 @@ from range_connector.config import RangeConfig
 from range_connector.cost.calibration_file import load_calibration
 from range_connector.cost.gate import CostGate
 from range_connector.cost.model import layout_bytes_per_token
+from range_connector.kv.heads import HeadSlice
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.kv.namespace import ChunkHash, prefix_hash_chain, request_salt, tail_chunk_hash
 from range_connector.kv.sharding import ShardPlan
@@ -59,12 +61,14 @@ class RangeScheduler:
         can_save: the role saves (``kv_both``/``kv_producer``).
         settings: the settings a producer and a consumer must share (sent in ``kv_transfer_params``).
         plan: the deployment's shard plan (context-parallel sizes; default: ``num_shards`` shards, one writer).
+        groups: ``[num_groups]`` the head slice of each ticket group (:mod:`range_connector.kv.heads`; default one
+            group holding every head): lookups need every group, and each load carries every group's tickets.
     """
 
     def __init__(self, config: RangeConfig, namespace: bytes, block_size: int,
                  lookup_backends: list[Backend] | None, *, can_load: bool, can_save: bool,
                  num_layers: int = 0, layer_block_bytes: int = 0, settings: dict[str, Any] | None = None,
-                 plan: ShardPlan | None = None) -> None:
+                 plan: ShardPlan | None = None, groups: Sequence[HeadSlice] = (HeadSlice(0, 1),)) -> None:
         assert config.chunk_tokens is not None
         self.config = config
         self.namespace = namespace
@@ -85,7 +89,7 @@ class RangeScheduler:
                                       "lookups_skipped_unprofitable": 0, "loads_not_started_late": 0,
                                       "late_load_probes": 0}
         self.lookup = PrefixLookup(config, self.plan, lookup_backends, num_layers=num_layers,
-                                   layer_block_bytes=layer_block_bytes, stats=self.stats)
+                                   layer_block_bytes=layer_block_bytes, stats=self.stats, groups=groups)
         self.leases = LeaseBook(lookup_backends, config.lease_ttl_s, self.stats)
         self.handoff = Handoff(self.settings, config.remote_wait_s, self.stats)
         gate: CostGate | None = None

@@ -43,16 +43,18 @@ class LeaseBook:
         return len(self.held)
 
     def take(self, req_id: str, chunks: Sequence[ChunkTransfer]) -> None:
-        """Lease the stripes of ``chunks`` on every shard (one call per shard); a request leases once at a time, so
-        its earlier leases are released."""
+        """Lease the stripes of ``chunks`` (every ticket group's) on every shard (one call per shard); a request
+        leases once at a time, so its earlier leases are released."""
         if self.backends is None:
             return
         per_shard: dict[int, list[str]] = {}
+        num_shards = len(self.backends)
         for c in chunks:
-            for s, t in enumerate(c.tickets):
-                ids = per_shard.setdefault(s, [])
-                if t.stripe_id not in ids:
-                    ids.append(t.stripe_id)
+            for i, entry in enumerate(c.tickets):  # [num_groups * num_shards], group-major; a ticket or pieces
+                ids = per_shard.setdefault(i % num_shards, [])
+                for t in entry if isinstance(entry, tuple) else (entry,):
+                    if t.stripe_id not in ids:
+                        ids.append(t.stripe_id)
         taken: dict[int, tuple[list[str], str]] = {}
         for s, ids in per_shard.items():
             try:

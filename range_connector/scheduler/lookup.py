@@ -17,11 +17,15 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from range_connector.backends.base import Backend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
+from range_connector.kv.heads import HeadSlice, resolve_pieces
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan, common_stored_prefix
 from range_connector.kv.tickets import Ticket, ticket_key
 
 logger = logging.getLogger("vllm." + __name__)
+
+#: chunks the DRAM tier's index keeps waiting for their other ticket groups' reports (the oldest are forgotten)
+_MAX_PARTIAL_CHUNKS = 1 << 16
 
 
 class PrefixLookup:
@@ -32,22 +36,29 @@ class PrefixLookup:
         plan: the shard plan (blocks per shard, for ticket checks).
         backends: ``[num_shards]`` backends to ask, or ``None`` for the DRAM tier (whose index is :attr:`index`).
         num_layers: attention layers (a ticket for another layout is a miss).
-        layer_block_bytes: bytes of one block of one layer (likewise).
+        layer_block_bytes: bytes of one block of one layer on one rank (likewise).
         stats: the scheduler's counters (``lookups_skipped``, ``lookup_errors`` are counted here).
+        groups: ``[num_groups]`` the head slice of each ticket group (:mod:`range_connector.kv.heads`); a chunk is
+            stored only when every group has it on every shard.
 
     Attributes:
-        index: the DRAM tier's index, chunk hash -> ``[num_shards]`` tickets, in least-recently-saved order.
+        index: the DRAM tier's index, chunk hash -> ``[num_groups * num_shards]`` tickets (group-major), in
+            least-recently-saved order; a chunk enters it once every group reported it saved.
     """
 
     def __init__(self, config: RangeConfig, plan: ShardPlan, backends: Sequence[Backend] | None, *,
-                 num_layers: int, layer_block_bytes: int, stats: MutableMapping[str, int]) -> None:
+                 num_layers: int, layer_block_bytes: int, stats: MutableMapping[str, int],
+                 groups: Sequence[HeadSlice] = (HeadSlice(0, 1),)) -> None:
         self.config = config
         self.plan = plan
         self.backends = backends
         self.num_layers = num_layers
         self.layer_block_bytes = layer_block_bytes
         self.stats = stats
+        self.groups = tuple(groups)
         self.index: dict[ChunkHash, tuple[Ticket, ...]] = {}
+        #: chunks some ticket groups (not yet all) reported saved: chunk hash -> group -> ``[num_shards]`` tickets
+        self._partial: dict[ChunkHash, dict[int, tuple[Ticket, ...]]] = {}
         self._down_until = 0.0  # monotonic time before which lookups are misses (a shard just failed)
         #: lookups that outlasted lookup_wait_s (req_id -> future), and the thread that runs them
         self._pending: dict[str, Future] = {}
@@ -79,10 +90,15 @@ class PrefixLookup:
 
         A backend error counts as a miss (empty), never an exception; after one, lookups are misses without
         asking for the tier's ``retry_s`` seconds, so a dead or frozen shard costs one timeout, not one per request.
-        A ticket that does not fit the registered layout is a miss.
+        A ticket that does not fit the registered layout is a miss. Each shard is asked for the key of every KV
+        head of every chunk in the same batched request; a chunk is on a shard when every head of every ticket
+        group is (so one rank's missing slice shortens the hit of every rank). A group's entry is the one ticket
+        its writer stored, or, when writers of other head slices stored them (a producer of another
+        tensor-parallel size), the pieces that cover its heads (:func:`~range_connector.kv.heads.resolve_pieces`).
 
         Returns:
-            ``[num_stored_chunks]`` x ``[num_shards]`` tickets.
+            ``[num_stored_chunks]`` x ``[num_groups * num_shards]`` entries (group-major), each a ticket or a tuple
+            of pieces.
         """
         if tail_hash is not None:
             chunk_hashes = [*chunk_hashes, tail_hash]
@@ -98,15 +114,26 @@ class PrefixLookup:
                 out.append(tickets)
             return out
 
-        def one(shard_idx: int) -> list[Ticket]:
-            keys = [ticket_key(h, shard_idx) for h in chunk_hashes]
+        groups = self.groups
+        heads = [h for g in groups for h in g.heads]  # every group's heads, group by group
+        head_block_bytes = self.layer_block_bytes // groups[0].count
+
+        def one(shard_idx: int) -> list[tuple[Ticket | tuple[Ticket, ...], ...]]:
+            keys = [ticket_key(h, shard_idx, head) for h in chunk_hashes for head in heads]
+            raws = backends[shard_idx].get_tickets(keys)
             found = []
-            for raw in backends[shard_idx].get_tickets(keys):
-                t = Ticket.decode(raw, num_layers=self.num_layers, layer_block_bytes=self.layer_block_bytes,
-                                  num_blocks=self.plan.blocks_per_shard)
-                if t is None:
+            for c in range(len(chunk_hashes)):
+                covering = [Ticket.decode_covering(raws[c * len(heads) + i], num_layers=self.num_layers,
+                                                   head_block_bytes=head_block_bytes,
+                                                   num_blocks=self.plan.blocks_per_shard, head=head)
+                            for i, head in enumerate(heads)]
+                if any(t is None for t in covering):
                     break
-                found.append(t)
+                entries, i = [], 0
+                for g in groups:
+                    entries.append(resolve_pieces(covering[i:i + g.count], g))  # type: ignore[arg-type]
+                    i += g.count
+                found.append(tuple(entries))
             return found
 
         if time.monotonic() < self._down_until:
@@ -122,7 +149,10 @@ class PrefixLookup:
             self._down_until = time.monotonic() + self.config.tier.retry_s
             logger.warning("Range lookup failed; lookups are misses for %.1f s: %s", self.config.tier.retry_s, exc)
             return []
-        return common_stored_prefix(per_shard)
+        if len(groups) == 1:
+            return [tuple(t for (t,) in shards) for shards in common_stored_prefix(per_shard)]
+        return [tuple(shards[s][g] for g in range(len(groups)) for s in range(len(shards)))
+                for shards in common_stored_prefix(per_shard)]
 
     def lookup(self, req_id: str, hashes: list[ChunkHash], tail: ChunkHash | None) -> list[tuple[Ticket, ...]] | None:
         """:meth:`stored_prefix`, waiting at most ``lookup_wait_s`` for a tier that lives elsewhere; ``None`` while
@@ -139,15 +169,26 @@ class PrefixLookup:
             self._pending[req_id] = pending
             return None
 
-    def learn(self, saved: Sequence[tuple[ChunkHash, tuple[Ticket, ...]]], dropped: Sequence[ChunkHash]) -> None:
-        """Take the workers' report of one step: chunks saved (the DRAM tier's index learns them) and chunks found
-        gone, corrupt or evicted (forgotten, so that they are not offered again)."""
+    def learn(self, saved: Sequence[tuple[ChunkHash, int, tuple[Ticket, ...]]], dropped: Sequence[ChunkHash]) -> None:
+        """Take the workers' report of one step: chunks saved, ``(chunk hash, ticket group, [num_shards] tickets)``
+        (the DRAM tier's index learns a chunk once every group reported it), and chunks found gone, corrupt or
+        evicted by any rank (forgotten, so that they are not offered again)."""
         if self.backends is None:
-            for h, tickets in saved:
-                self.index.pop(h, None)
-                self.index[h] = tickets
+            num_groups = len(self.groups)
+            for h, group, tickets in saved:
+                if not 0 <= group < num_groups:
+                    continue
+                parts = self._partial.setdefault(h, {})
+                parts[group] = tickets
+                if len(self._partial) > _MAX_PARTIAL_CHUNKS:  # a rank whose save failed never completes its chunks
+                    self._partial.pop(next(iter(self._partial)))
+                if len(parts) == num_groups:
+                    del self._partial[h]
+                    self.index.pop(h, None)
+                    self.index[h] = tuple(t for g in range(num_groups) for t in parts[g])
         for h in dropped:
             self.index.pop(h, None)
+            self._partial.pop(h, None)
 
     def close(self) -> None:
         """Stop the lookup threads and close the backends."""

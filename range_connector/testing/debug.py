@@ -63,6 +63,42 @@ def engine_block_digests(worker: Any, block_ids: list[int] | None = None) -> dic
     return out
 
 
+def engine_head_digests(worker: Any, block_ids: list[int] | None = None) -> dict[int, dict[int, str]]:
+    """BLAKE3 digest of each KV head of each block across all attention layers, read from the engine's KV cache
+    (CPU dense layout ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``), keyed by the model's head index: a
+    head's bytes do not depend on the tensor-parallel size, so engines of different sizes can be compared head by
+    head.
+
+    Args:
+        worker: the vLLM worker (``collective_rpc`` passes it).
+        block_ids: blocks to digest; ``None`` digests every block that is not all zeros.
+
+    Returns:
+        ``{block_id: {model head: hex digest}}``.
+
+    Raises:
+        ValueError: the KV cache is not the CPU dense layout.
+    """
+    caches = [kv for _name, kv in _layer_caches(worker)]
+    num_blocks = worker.model_runner.kv_cache_config.num_blocks
+    if any(kv.dim() != 4 or kv.shape[0] != num_blocks for kv in caches):
+        raise ValueError(f"not the CPU dense KV layout: {[tuple(kv.shape) for kv in caches]}")
+    local_heads = caches[0].shape[1]
+    first_head = compat.tp_rank() * local_heads  # (vLLM's split without replication: H // T heads per rank)
+    if block_ids is None:
+        block_ids = list(engine_block_digests(worker))
+    out: dict[int, dict[int, str]] = {}
+    for b in block_ids:
+        per_head = {}
+        for k in range(local_heads):
+            h = blake3()
+            for kv in caches:
+                h.update(kv[b, k].contiguous().view(torch.uint8).numpy().tobytes())
+            per_head[first_head + k] = h.hexdigest()
+        out[int(b)] = per_head
+    return out
+
+
 def connector_loaded_block_ids(worker: Any) -> list[int]:
     """Block ids the Range worker wrote since the last call (a batch can load over several steps)."""
     return compat.kv_connector_in_process()._worker.take_loaded_block_log()

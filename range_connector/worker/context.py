@@ -43,6 +43,7 @@ class LoadContext:
         layer_events: CUDA only: ``layer_name -> event`` of a pipelined copy (shared, filled by jobs).
         drop: forgets a chunk whose bytes proved bad or gone on a shard: ``drop(chunk_hash, shard_idx)``.
         copy_stream: CUDA only: the stream that copies banks into the KV cache.
+        heads: ``(head_start, num_heads)``: the KV heads this rank's cache holds.
     """
 
     config: RangeConfig
@@ -59,16 +60,20 @@ class LoadContext:
     layer_events: MutableMapping[str, object]
     drop: Callable[[ChunkHash, int], None]
     copy_stream: object | None = None
+    heads: tuple[int, int] = (0, 1)
 
     def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
         """``[num_blocks, row]`` view of one plane of one layer of the KV cache."""
         return self.rows[layer_idx * self.layout.num_planes + plane_idx]
 
     def ticket_fits(self, t: Ticket) -> bool:
-        """The ticket describes stripes of the registered layout."""
+        """The ticket describes stripes of the registered layout and this rank's KV heads (pieces of other head
+        slices do not fit: :mod:`range_connector.worker.reassembly` loads them)."""
+        if not isinstance(t, Ticket):
+            return False
         layout = self.layout
-        return (t.num_planes, t.row_bytes, t.num_layers, t.num_blocks) == (
-            layout.num_planes, layout.row_bytes, len(self.layer_names), self.plan.blocks_per_shard)
+        return (t.num_planes, t.row_bytes, t.num_layers, t.num_blocks, (t.head_start, t.num_heads)) == (
+            layout.num_planes, layout.row_bytes, len(self.layer_names), self.plan.blocks_per_shard, self.heads)
 
     def copy_rows(self, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
                   src: slice | torch.Tensor) -> object | None:

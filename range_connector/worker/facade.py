@@ -23,15 +23,17 @@ import torch
 from range_connector.backends.base import Backend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
+from range_connector.kv.heads import HeadSlice
 from range_connector.kv.layout import KVLayout, block_rows
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
-from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.kv.tickets import Ticket, head_keys, ticket_key
 from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
 from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
 from range_connector.worker.probes import probe_chunk
+from range_connector.worker.reassembly import has_pieces, reassemble
 from range_connector.worker.saves import StripeSaver
 
 logger = logging.getLogger("vllm." + __name__)
@@ -49,14 +51,21 @@ class RangeWorker:
         layer_names: attention layers served, in model order.
         num_blocks: blocks per layer tensor.
         backends: ``[num_shards]`` backends.
-        tp_rank: tensor-parallel rank (part of every ticket key).
+        tp_rank: tensor-parallel rank (rank 0 runs the background probes of a refused tier).
         shard_idxs: ``[len(backends)]`` the global shard index of each backend, used in ticket keys (a PCP rank's
             worker serves shards ``r, r + P, ...``: :class:`~range_connector.kv.sharding.RankSlice`); default
             ``0 .. len(backends) - 1``.
+        head_slice: the KV heads this rank's cache holds (:mod:`range_connector.kv.heads`): its tickets cover them
+            and are published under one key per head; a ticket for other heads does not fit.
+        ticket_group: this rank's ticket group (reported with its saves, so that the DRAM tier's index knows which
+            rank's stripes it learns).
+        is_writer: the rank saves (false on a rank whose heads another rank of its ticket group writes: vLLM
+            replicates KV heads when the tensor-parallel size exceeds them, and MLA's latent row on every rank).
     """
 
     def __init__(self, config: RangeConfig, block_size: int, layer_names: tuple[str, ...], num_blocks: int,
-                 backends: list[Backend], tp_rank: int = 0, shard_idxs: tuple[int, ...] | None = None) -> None:
+                 backends: list[Backend], tp_rank: int = 0, shard_idxs: tuple[int, ...] | None = None, *,
+                 head_slice: HeadSlice = HeadSlice(0, 1), ticket_group: int = 0, is_writer: bool = True) -> None:
         assert config.chunk_tokens is not None
         self.config = config
         self.block_size = block_size
@@ -65,6 +74,9 @@ class RangeWorker:
         self.plan = ShardPlan(config.chunk_tokens // block_size, config.num_shards)
         self.backends = backends
         self.tp_rank = tp_rank
+        self.head_slice = head_slice
+        self.ticket_group = ticket_group
+        self.is_writer = is_writer
         self.shard_idxs = tuple(range(len(backends))) if shard_idxs is None else tuple(shard_idxs)
         if len(self.shard_idxs) != len(backends):
             raise ValueError(f"shard_idxs {self.shard_idxs} does not name one shard per backend ({len(backends)})")
@@ -91,6 +103,7 @@ class RangeWorker:
         self._warned_unwaited = False
         self._step_job: LoadJob | None = None
         self._async_jobs: dict[str, tuple[LoadJob, Future]] = {}
+        self._reassembled_async: set[str] = set()
         #: per finished load job: mode and per-layer timestamps (ready, delivered, waited for by attention)
         self.load_timelines: list[dict] = []
         self._failed_block_ids: set[int] = set()
@@ -107,11 +120,12 @@ class RangeWorker:
         self.last_loaded_tickets: list[tuple[int, bytes]] = []
         self.stats: dict[str, int] = defaultdict(int)
         #: writes this worker's saves (:mod:`range_connector.worker.saves`)
-        self.saver = StripeSaver(config, self.plan, backends, self.shard_idxs, tp_rank, self.stats)
+        self.saver = StripeSaver(config, self.plan, backends, self.shard_idxs, self.stats, head_slice=head_slice,
+                                 ticket_group=ticket_group)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """View the engine's KV tensors as rows (see :func:`range_connector.kv.layout.block_rows`)."""
-        self.layout, self._rows = block_rows(kv_caches, self.layer_names, self.num_blocks)
+        self.layout, self._rows = block_rows(kv_caches, self.layer_names, self.num_blocks, self.head_slice.count)
         if self._rows and self._rows[0].is_cuda:  # pinned staging and a copy stream of our own
             self.banks = BankPool(self.config.num_banks, pin_memory=True)
             self._copy_stream = torch.cuda.Stream(device=self._rows[0].device)
@@ -119,7 +133,7 @@ class RangeWorker:
             config=self.config, layout=self.layout, layer_names=self.layer_names, plan=self.plan,
             backends=self.backends, rows=self._rows, banks=self.banks, reader=self.reader, verifier=self.verifier,
             shard_readers=self.shard_readers, stats=self.stats, layer_events=self.layer_events, drop=self.drop,
-            copy_stream=self._copy_stream)
+            copy_stream=self._copy_stream, heads=(self.head_slice.start, self.head_slice.count))
         logger.info("Range worker: %d layers x %d planes, %d bytes per block row, %d blocks",
                     len(self.layer_names), self.layout.num_planes, self.layout.row_bytes, self.num_blocks)
 
@@ -135,15 +149,22 @@ class RangeWorker:
         """
         self._finish_step_job()
         self._failed_from_chunk = {}
-        if meta.probes and self.tp_rank == 0:  # (the scheduler's tickets are rank 0's)
+        if meta.probes and self.tp_rank == 0:  # (one rank probes: the timing is the tier's)
             for tickets in meta.probes:
                 self._prober.submit(self._probe, tickets)
         if not meta.loads or self.layout is None:
             return
         now = time.monotonic()
         self.last_loaded_tickets = []
-        step = [r for r in meta.loads if r.mode != ASYNC]
-        for req in meta.loads:
+        loads = [r for r in meta.loads if not has_pieces(r)]
+        pieces = [r for r in meta.loads if has_pieces(r)]
+        if pieces:  # stored by writers of other head slices: assembled head by head, before the forward
+            failed_from, done = reassemble(self.load_context, pieces, now + self._deadline_s(pieces))
+            self._finish_load(pieces, failed_from, done)
+            self._loaded_reqs.extend(r.req_id for r in pieces)
+            self._reassembled_async.update(r.req_id for r in pieces if r.mode == ASYNC)
+        step = [r for r in loads if r.mode != ASYNC]
+        for req in loads:
             if req.mode == ASYNC:
                 job = LoadJob(self.load_context, [req], now + self._deadline_s([req]), ASYNC)
                 job.start()
@@ -250,12 +271,13 @@ class RangeWorker:
             :meth:`take_failed_block_ids` in the same step.
         """
         self._finish_step_job()
+        out = set(self._reassembled_async)  # asynchronous loads that were assembled from pieces in start_load
+        self._reassembled_async.clear()
         if self._async_jobs:
             # Yield the GIL for a moment: between steps vLLM's worker loop polls its message queue, and a busy
             # loop would starve the threads that read and copy the asynchronous loads.
             wait([fut for _job, fut in self._async_jobs.values()], timeout=_ASYNC_POLL_S, return_when=FIRST_COMPLETED)
         now = time.monotonic()
-        out = set()
         for req_id, (job, fut) in list(self._async_jobs.items()):
             if req_id in finished_req_ids and not fut.done():
                 job.cancel()  # aborted: stop writing into blocks vLLM is about to free
@@ -294,7 +316,7 @@ class RangeWorker:
         for chunk_hash, shards, dst_ids in done:
             loaded += len(dst_ids)
             self.loaded_block_log.extend(dst_ids)
-            self.last_loaded_tickets.extend((s, ticket_key(chunk_hash, self.shard_idxs[s], self.tp_rank))
+            self.last_loaded_tickets.extend((s, ticket_key(chunk_hash, self.shard_idxs[s], self.head_slice.start))
                                             for s in shards)
         for req in reqs:
             if req.req_id in failed_from:
@@ -310,7 +332,8 @@ class RangeWorker:
         """Forget a chunk whose bytes proved bad or gone, so that it is not offered again."""
         self._dropped.append(chunk_hash)
         try:
-            self.backends[shard_idx].delete_tickets([ticket_key(chunk_hash, self.shard_idxs[shard_idx], self.tp_rank)])
+            self.backends[shard_idx].delete_tickets(head_keys(chunk_hash, self.shard_idxs[shard_idx],
+                                                              self.head_slice.heads))
         except BackendError as exc:
             logger.warning("Range: could not delete a bad ticket: %s", exc)
 
@@ -345,7 +368,7 @@ class RangeWorker:
         on top of a failed load is not saved).
         """
         self._finish_step_job()
-        if not meta.saves or self.layout is None:
+        if not meta.saves or self.layout is None or not self.is_writer:
             return
         chunks = []  # (chunk_hash, block ids of the whole chunk)
         for req in meta.saves:

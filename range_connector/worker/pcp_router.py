@@ -47,9 +47,11 @@ class PcpWorkerRouter:
         layer_names: attention layers, in model order.
         num_blocks: blocks per layer tensor.
         backends: ``[S / W]`` this rank's backends, in :attr:`RankSlice.shard_idxs` order.
-        tp_rank: tensor-parallel rank (part of every ticket key).
+        tp_rank: tensor-parallel rank.
         collective_timeout_s: the most one collective waits (default the tier's ``timeout_s``); the
             agreement waits the time left to the load deadline plus this.
+        heads: the rank's ``head_slice``, ``ticket_group`` and ``is_writer``, passed to its
+            :class:`~range_connector.worker.facade.RangeWorker`.
 
     Raises:
         ValueError: the group does not match the plan, or ``backends`` is not one per shard of this rank.
@@ -57,14 +59,14 @@ class PcpWorkerRouter:
 
     def __init__(self, config: RangeConfig, plan: ShardPlan, rank: int, group: Any, block_size: int,
                  layer_names: tuple[str, ...], num_blocks: int, backends: list[Backend], *, tp_rank: int = 0,
-                 collective_timeout_s: float | None = None) -> None:
+                 collective_timeout_s: float | None = None, **heads: Any) -> None:
         self.slice = RankSlice(plan, rank)
         if len(backends) != len(self.slice.shard_idxs):
             raise ValueError(f"rank {rank} serves shards {self.slice.shard_idxs}, got {len(backends)} backends")
         # The ranks agree on failures in start_load_kv, before the forward: the local load completes there.
         rank_config = dataclasses.replace(rank_view_config(self.slice, config, block_size), load_mode="sync")
         self.worker = RangeWorker(rank_config, block_size, layer_names, num_blocks, backends, tp_rank=tp_rank,
-                                  shard_idxs=self.slice.shard_idxs)
+                                  shard_idxs=self.slice.shard_idxs, **heads)
         self.collective_timeout_s = config.tier.timeout_s if collective_timeout_s is None else collective_timeout_s
         self.exchange = PcpExchange(plan, rank, group, self.collective_timeout_s)
         self.load_deadline_s = config.load_deadline_s

@@ -27,7 +27,8 @@ from range_connector.errors import BackendError
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
 from range_connector.kv.stripes import chunk_checksum, chunk_groups, gather_layer, new_stripe_id
-from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.kv.heads import HeadSlice
+from range_connector.kv.tickets import Ticket, head_keys
 from range_connector.worker.context import LoadContext
 
 logger = logging.getLogger("vllm." + __name__)
@@ -44,20 +45,23 @@ class StripeSaver:
         plan: the shard plan of the worker's chunks.
         backends: ``[num_shards]`` the worker's backends.
         shard_idxs: the global shard index of each backend (part of every ticket key).
-        tp_rank: tensor-parallel rank (part of every ticket key).
         stats: the worker's counters (``saved_*``, ``save_errors``, ``saves_skipped*`` are counted here).
+        head_slice: the KV heads the rank's cache holds: its tickets cover them, one key per head.
+        ticket_group: the rank's ticket group, reported with each saved chunk.
     """
 
     def __init__(self, config: RangeConfig, plan: ShardPlan, backends: Sequence[Backend], shard_idxs: tuple[int, ...],
-                 tp_rank: int, stats: MutableMapping[str, int]) -> None:
+                 stats: MutableMapping[str, int], *, head_slice: HeadSlice = HeadSlice(0, 1),
+                 ticket_group: int = 0) -> None:
         self.config = config
         self.plan = plan
         self.backends = backends
         self.shard_idxs = shard_idxs
-        self.tp_rank = tp_rank
+        self.head_slice = head_slice
+        self.ticket_group = ticket_group
         self.stats = stats
         self._down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
-        self._saved: list[tuple[ChunkHash, tuple[Ticket, ...]]] = []  # (appended by the saver thread too)
+        self._saved: list[tuple[ChunkHash, int, tuple[Ticket, ...]]] = []  # (appended by the saver thread too)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-save")
         self._pending: weakref.WeakSet[Future] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -72,8 +76,9 @@ class StripeSaver:
         """Whether saves completed since :meth:`take_saved` last ran."""
         return bool(self._saved)
 
-    def take_saved(self) -> list[tuple[ChunkHash, tuple[Ticket, ...]]]:
-        """``(chunk hash, [num_shards] tickets)`` of the chunks whose every shard was written since the last call."""
+    def take_saved(self) -> list[tuple[ChunkHash, int, tuple[Ticket, ...]]]:
+        """``(chunk hash, ticket group, [num_shards] tickets)`` of the chunks whose every shard was written since
+        the last call."""
         with self._lock:
             saved, self._saved = self._saved, []
         return saved
@@ -138,7 +143,8 @@ class StripeSaver:
             tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
             for s, backend, stripe_chunks, values in stripes:
                 self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk, context)
-            saved = [(h, tuple(tickets)) for h, tickets in tickets_by_chunk.items() if all(t is not None for t in tickets)]
+            saved = [(h, self.ticket_group, tuple(tickets)) for h, tickets in tickets_by_chunk.items()
+                     if all(t is not None for t in tickets)]
             with self._lock:
                 self._saved.extend(saved)  # type: ignore[arg-type]
                 self._backlog_bytes -= backlog_bytes
@@ -162,11 +168,11 @@ class StripeSaver:
             sums = tuple(chunk_checksum(v, layout.num_planes, stripe_blocks, c * bps, bps, layout.row_bytes)
                          for v in views)
             t = Ticket(stripe_id, c * bps, bps, stripe_blocks, len(context.layer_names), layout.num_planes,
-                       layout.row_bytes, sums, stripe_sums)
+                       layout.row_bytes, sums, stripe_sums, self.head_slice.start, self.head_slice.count)
             tickets.append((chunk_hash, t))
         shard_idx = self.shard_idxs[s]
-        write = StripeWrite(stripe_id, views,
-                            [(ticket_key(h, shard_idx, self.tp_rank), t.encode()) for h, t in tickets])
+        write = StripeWrite(stripe_id, views, [(key, t.encode()) for h, t in tickets
+                                               for key in head_keys(h, shard_idx, self.head_slice.heads)])
         try:
             stored = backend.write_stripe(write)
         except (BackendError, ValueError) as exc:

@@ -38,7 +38,7 @@ def test_load_through_pinned_banks_on_a_copy_stream_is_byte_exact() -> None:
     blocks = random.sample(range(64), 8)
     saver.save(RangeConnectorMetadata(saves=[RequestTransfer("a", tuple(
         ChunkTransfer(i, h, (0, 1), tuple(blocks[2 * i:2 * i + 2])) for i, h in enumerate(hashes)), 128)]))
-    tickets = dict(saver.build_worker_meta().saved)
+    tickets = {h: ts for h, _group, ts in saver.build_worker_meta().saved}
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     loader = RangeWorker(cfg, 16, tuple(dst), 64, [backend])
     loader.register_kv_caches(dst)

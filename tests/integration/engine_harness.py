@@ -13,8 +13,15 @@ SPEC.json OUT.json``. Steps:
 * ``{"op": "count_layer_hooks"}`` (counts start) and ``{"op": "layer_hook_counts"}`` -> ``{"counts": {hook:
   {layer_name: calls}}}`` of the connector's per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``);
 * ``{"op": "mla_probe"}`` -> the worker's MLA branch probes and each attention layer's ``use_direct_call``;
-* ``{"op": "corrupt", "url": valkey URL, "byte_offset": n}`` -> flips one byte of layer 0 of the first chunk the
-  connector read in its last loading step (inside the chunk's first block, in the stripe's value).
+* ``{"op": "corrupt", "url": valkey URL, "byte_offset": n, "rank": r}`` -> flips one byte of layer 0 of the first
+  chunk tensor-parallel rank ``r`` (default 0) read in its last loading step (inside the chunk's first block, in the
+  stripe's value);
+* ``{"op": "last_loads_ranks"}`` and ``{"op": "block_digests_ranks"}``: ``last_loads`` and ``block_digests`` of every
+  tensor-parallel rank (lists in rank order);
+* ``{"op": "head_digests", "last_loads": bool, "tp_size": T}`` -> ``{"heads": {model head: [digests]}}`` of every
+  block (or of the blocks the connector loaded last) of every rank, per KV head (comparable across TP sizes);
+* ``{"op": "delete_loaded_ticket", "url": valkey URL, "rank": r, "index": i}`` -> deletes rank ``r``'s ticket of the
+  ``i``-th chunk it loaded last (one rank's slice of that chunk evicted).
 """
 
 from __future__ import annotations
@@ -74,6 +81,30 @@ def main(spec_path: str, out_path: str) -> None:
             ids = llm.collective_rpc(debug.connector_loaded_block_ids)[0]
             digests = llm.collective_rpc(debug.engine_block_digests, args=(ids,))[0]
             results.append({"block_ids": ids, "digests": [digests[b] for b in ids]})
+        elif op == "last_loads_ranks":  # every tensor-parallel rank's, in rank order
+            ids = llm.collective_rpc(debug.connector_loaded_block_ids)
+            digests = [llm.collective_rpc(debug.engine_block_digests, args=(rank_ids,))[r]
+                       for r, rank_ids in enumerate(ids)]
+            results.append({"block_ids": ids, "digests": [[d[b] for b in rank_ids]
+                                                          for d, rank_ids in zip(digests, ids)]})
+        elif op == "block_digests_ranks":
+            results.append({"digests": llm.collective_rpc(debug.engine_block_digests)})
+        elif op == "head_digests":  # every rank's blocks (or its last loads), per model KV head: {head: [digests]}
+            ids = llm.collective_rpc(debug.connector_loaded_block_ids) if step.get("last_loads") else None
+            per_rank = [llm.collective_rpc(debug.engine_head_digests, args=(ids[r] if ids else None,))[r]
+                        for r in range(len(ids) if ids else step.get("tp_size", 1))]
+            heads: dict[str, list[str]] = {}
+            for rank_digests in per_rank:
+                for _block, by_head in sorted(rank_digests.items()):
+                    for head, digest in by_head.items():
+                        heads.setdefault(str(head), []).append(digest)
+            results.append({"heads": heads})
+        elif op == "delete_loaded_ticket":  # one rank's ticket of one chunk it loaded last (one slice evicted)
+            import valkey
+
+            client = valkey.Valkey.from_url(step["url"])
+            _shard, tkey = llm.collective_rpc(debug.connector_last_loaded_tickets)[step.get("rank", 0)][step["index"]]
+            results.append({"deleted": int(client.delete(tkey)), "key": tkey})
         elif op == "worker_stats":
             results.append({"stats": llm.collective_rpc(debug.connector_worker_stats)[0]})
         elif op == "load_timelines":
@@ -95,7 +126,7 @@ def main(spec_path: str, out_path: str) -> None:
             import valkey
 
             client = valkey.Valkey.from_url(step["url"])
-            _shard, tkey = llm.collective_rpc(debug.connector_last_loaded_tickets)[0][0]
+            _shard, tkey = llm.collective_rpc(debug.connector_last_loaded_tickets)[step.get("rank", 0)][0]
             # A ticket is [version, stripe_id, block_offset, num_blocks, stripe_blocks, layers, planes, row_bytes, ...]
             ticket = msgpack.unpackb(client.get(tkey))
             key = f"rc2:s:{ticket[1]}:0"  # layer 0 of the stripe

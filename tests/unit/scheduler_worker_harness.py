@@ -54,6 +54,7 @@ from range_connector.backends.base import Backend, RangeRead, ScatterDest, Strip
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig, TierConfig
 from range_connector.errors import BackendError, BackendTimeoutError
+from range_connector.kv.heads import group_view, rank_layout, single_rank_layout
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata
 from range_connector.kv.namespace import ChunkHash, prefix_hash_chain
 from range_connector.kv.tickets import Ticket, ticket_key
@@ -200,13 +201,13 @@ class FlakyBackend(Backend):
 
 
 # ---------------------------------------------------------------------------------------------------- harness
-def make_kv(kind: str, seed: int) -> dict[str, torch.Tensor]:
+def make_kv(kind: str, seed: int, num_heads: int = NUM_KV_HEADS) -> dict[str, torch.Tensor]:
     """KV tensors as vLLM registers them, bf16, random: CPU dense ``[num_blocks, num_kv_heads, block_size,
     2 * head_size]``, MLA ``[num_blocks, 1, block_size, 576]``, or separate K and V planes ``[2, num_blocks,
-    block_size, num_kv_heads, head_size]`` (CUDA flash-attention)."""
+    block_size, num_kv_heads, head_size]`` (CUDA flash-attention); ``num_heads``: the heads of one rank."""
     g = torch.Generator().manual_seed(seed)
-    shape = {"dense": (NUM_BLOCKS, NUM_KV_HEADS, BLOCK, 2 * HEAD_SIZE), "mla": (NUM_BLOCKS, 1, BLOCK, MLA_WIDTH),
-             "split-kv": (2, NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD_SIZE)}[kind]
+    shape = {"dense": (NUM_BLOCKS, num_heads, BLOCK, 2 * HEAD_SIZE), "mla": (NUM_BLOCKS, 1, BLOCK, MLA_WIDTH),
+             "split-kv": (2, NUM_BLOCKS, BLOCK, num_heads, HEAD_SIZE)}[kind]
     return {name: torch.randn(shape, generator=g).to(torch.bfloat16) for name in LAYERS}
 
 
@@ -216,6 +217,20 @@ def snapshot(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _block(t: torch.Tensor, b: int) -> torch.Tensor:
     return t[:, b] if t.dim() == 5 else t[b]
+
+
+def head_block(t: torch.Tensor, b: int, head: int) -> torch.Tensor:
+    """One KV head of block ``b`` of one layer tensor (dense ``[blocks, heads, ...]`` or ``[2, blocks, block_size,
+    heads, head_size]``)."""
+    return t[:, b, :, head] if t.dim() == 5 else t[b, head]
+
+
+def same_head_block(kv_a: dict[str, torch.Tensor], a: int, head_a: int, kv_b: dict[str, torch.Tensor], b: int,
+                    head_b: int) -> bool:
+    """Head ``head_a`` of block ``a`` of ``kv_a`` holds the same bytes as head ``head_b`` of block ``b`` of ``kv_b``,
+    in every layer (and plane)."""
+    return all(torch.equal(head_block(kv_a[n], a, head_a).view(torch.int16),
+                           head_block(kv_b[n], b, head_b).view(torch.int16)) for n in LAYERS)
 
 
 def same_block(kv_a: dict[str, torch.Tensor], a: int, kv_b: dict[str, torch.Tensor], b: int) -> bool:
@@ -268,11 +283,18 @@ TIER_KWARGS = {"backend_timeout_s": "timeout_s", "backend_retry_s": "retry_s"}
 
 
 class Engine:
-    """One engine: a scheduler half, a worker half, its own KV tensors and a shuffled block pool."""
+    """One engine: a scheduler half, a worker half per tensor-parallel rank (``tp_size``; :attr:`worker` and
+    :attr:`kv` are rank 0's), each rank's own KV tensors, and a shuffled block pool.
+
+    Each step hands every rank its view of the metadata (:attr:`rank_view`, the connector's
+    :func:`~range_connector.kv.heads.group_view`) and merges the ranks' outputs as vLLM's ``KVOutputAggregator``
+    does (``distributed/kv_transfer/kv_connector/utils.py``): failed blocks are the union, an asynchronous load is
+    finished once every rank reported it, worker metadata is aggregated."""
 
     def __init__(self, backends: list[Backend], *, num_shards: int = 1, chunk_tokens: int = 32, kind: str = "dense",
                  lookup_backends: list[Backend] | None | str = "same", can_load: bool = True, can_save: bool = True,
-                 seed: int = 0, **config: Any) -> None:
+                 seed: int = 0, tp_size: int = 1, rank_backends: list[list[Backend]] | None = None,
+                 model_heads: bool = False, **config: Any) -> None:
         # This engine has no forward pass for the cost model to measure: its seed estimates would give every load a
         # deadline of min_load_deadline_s, which a busy test machine can overrun. Tests of deadlines set their own.
         config.setdefault("min_load_deadline_s", 5.0)
@@ -280,18 +302,40 @@ class Engine:
         self.config = RangeConfig(tiers=(tier,), num_shards=num_shards, chunk_tokens=chunk_tokens,
                                   **config).resolve(BLOCK)
         self.kind = kind
-        self.worker = RangeWorker(self.config, BLOCK, LAYERS, NUM_BLOCKS, backends)
-        self.kv = make_kv(kind, seed)
-        self.worker.register_kv_caches(self.kv)
+        # Tensor parallelism: rank r holds its head slice of the model's NUM_KV_HEADS (MLA: the whole latent row),
+        # in KV tensors of its own; on a process-local tier (``rank_backends``) each rank stores into its own.
+        total_heads = 1 if kind == "mla" else NUM_KV_HEADS
+        local_heads = 1 if kind == "mla" else max(1, NUM_KV_HEADS // tp_size)
+        # (at TP 1 the tickets say "head 0 of 1" unless ``model_heads``: then they name the model's heads, as in
+        # the product, so that engines of different TP sizes can share a tier)
+        self.ranks = (rank_layout(total_heads, tp_size, local_heads=local_heads,
+                                  process_local=rank_backends is not None)
+                      if tp_size > 1 or model_heads else single_rank_layout())
+        self.rank_backends = rank_backends or [backends] * tp_size
+        self.workers = [RangeWorker(self.config, BLOCK, LAYERS, NUM_BLOCKS, self.rank_backends[r], tp_rank=r,
+                                    head_slice=self.ranks.rank_slices[r], ticket_group=self.ranks.rank_group[r],
+                                    is_writer=self.ranks.writers[r]) for r in range(tp_size)]
+        # ranks that hold the same heads hold the same bytes (vLLM replicates them): one seed per head slice
+        slice_of = [self.ranks.groups.index(s) if s in self.ranks.groups else r
+                    for r, s in enumerate(self.ranks.rank_slices)]
+        self._replica_of = [self.ranks.rank_slices.index(self.ranks.rank_slices[r]) for r in range(tp_size)]
+        self.kvs = [make_kv(kind, seed + 7919 * slice_of[r], num_heads=local_heads) for r in range(tp_size)]
+        for worker, kv in zip(self.workers, self.kvs):
+            worker.register_kv_caches(kv)
+        self.worker, self.kv = self.workers[0], self.kvs[0]
+        self.layer_block_bytes = LAYER_BLOCK_BYTES[kind] * local_heads // (1 if kind == "mla" else NUM_KV_HEADS)
         layout = self.worker.layout
-        assert layout is not None and layout.num_planes * layout.row_bytes == LAYER_BLOCK_BYTES[kind]
+        assert layout is not None and layout.num_planes * layout.row_bytes == self.layer_block_bytes
         assert layout.num_planes == NUM_PLANES[kind]
         lookups = backends if lookup_backends == "same" else lookup_backends
         self.sched = RangeScheduler(self.config, NAMESPACE, BLOCK, lookups,  # type: ignore[arg-type]
                                     can_load=can_load, can_save=can_save, num_layers=len(LAYERS),
-                                    layer_block_bytes=LAYER_BLOCK_BYTES[kind],
+                                    layer_block_bytes=self.layer_block_bytes,
                                     settings={"block_size": BLOCK, "chunk_tokens": self.config.chunk_tokens,
-                                              "num_shards": num_shards, "kind": kind})
+                                              "num_shards": num_shards, "kind": kind}, groups=self.ranks.groups)
+        #: per rank, the view of the step's metadata its worker got (group_view unless a test swaps it)
+        self.rank_view = lambda meta, r: group_view(meta, self.ranks.rank_group[r], self.ranks.num_groups,
+                                                    self.config.num_shards)
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)  # block ids are neither contiguous nor ordered
         self.gen = torch.Generator().manual_seed(10_000 + seed)
@@ -433,21 +477,35 @@ class Engine:
             r = self.running[req_id]
             assert self.sched.request_finished(r.request, list(r.block_ids)) == (False, None)
         before = snapshot(self.kv) if snapshots else {}
+        views = [self.rank_view(meta, r) for r in range(len(self.workers))]
         t0 = time.monotonic()
-        self.worker.start_load(meta)  # mixin L85: sync loads start before the forward
-        if layer_waits:  # attention of each layer first waits for its load (kv_transfer_utils.py L51)
-            for name in LAYERS:
-                self.worker.wait_for_layer(name)
+        for worker, view in zip(self.workers, views):
+            worker.start_load(view)  # mixin L85: sync loads start before the forward
+            if layer_waits:  # attention of each layer first waits for its load (kv_transfer_utils.py L51)
+                for name in LAYERS:
+                    worker.wait_for_layer(name)
         load_s = time.monotonic() - t0
         after_load = snapshot(self.kv) if snapshots else {}
         if forward:
             for req_id, n in self._scheduled.items():
                 r = self.running[req_id]
-                self._compute(r.block_ids, r.num_computed_tokens, r.num_computed_tokens + n)
-        self.worker.save(meta)  # mixin L92: wait_for_save
-        finished_recving = self.worker.get_finished(set(self.finished_req_ids))  # mixin L94
-        invalid = self.worker.take_failed_block_ids()  # mixin L100
-        worker_meta = self.worker.build_worker_meta()  # mixin L104
+                for rank, kv in enumerate(self.kvs):
+                    first = self._replica_of[rank]
+                    if first == rank:
+                        self._compute(r.block_ids, r.num_computed_tokens, r.num_computed_tokens + n, kv)
+                    else:  # a replica of an earlier rank's heads computes the same KV (token slots only)
+                        self._compute(r.block_ids, r.num_computed_tokens, r.num_computed_tokens + n, kv,
+                                      like=self.kvs[first])
+        finished_recving, invalid, worker_meta = None, set(), None
+        for worker, view in zip(self.workers, views):
+            worker.save(view)  # mixin L92: wait_for_save
+            done = worker.get_finished(set(self.finished_req_ids))  # mixin L94
+            finished_recving = done if finished_recving is None else finished_recving & done
+            invalid |= worker.take_failed_block_ids()  # mixin L100
+            rank_meta = worker.build_worker_meta()  # mixin L104
+            worker_meta = rank_meta if worker_meta is None else (
+                worker_meta.aggregate(rank_meta) if rank_meta is not None else worker_meta)
+        assert finished_recving is not None
         self.sched.update_connector_output(worker_meta, finished_recving)  # scheduler.py L3219
         for req_id, n in self._scheduled.items():
             self.running[req_id].num_computed_tokens += n
@@ -460,15 +518,24 @@ class Engine:
         for req_id in finished_recving:  # an aborted request's blocks are freed now (L3228-3229)
             if req_id in self.finished_req_ids and req_id in self.waiting_for_kv:
                 self.free.extend(self.waiting_for_kv.pop(req_id).block_ids)
-        return StepResult(meta, before, after_load, load_s, invalid, worker_meta,
-                          self.worker.take_loaded_block_log(), finished_recving)
+        logs = [w.take_loaded_block_log() for w in self.workers]
+        return StepResult(meta, before, after_load, load_s, invalid, worker_meta, logs[0], finished_recving)
 
-    def _compute(self, block_ids: list[int], start: int, end: int) -> None:
-        """The forward: new random KV in the token slots ``[start, end)`` of every layer."""
+    def _compute(self, block_ids: list[int], start: int, end: int, kv: dict[str, torch.Tensor],
+                 like: dict[str, torch.Tensor] | None = None) -> None:
+        """The forward: new random KV in the token slots ``[start, end)`` of every layer of one rank's cache (with
+        ``like``: the same slots' KV of another rank's cache, which holds the same heads)."""
         pos = torch.arange(start, end)
         blocks = torch.tensor(block_ids)[pos // BLOCK]
         slots = pos % BLOCK
-        for t in self.kv.values():
+        if like is not None:
+            for name, t in kv.items():
+                if t.dim() == 5:
+                    t[:, blocks, slots] = like[name][:, blocks, slots]
+                else:
+                    t[blocks, :, slots, :] = like[name][blocks, :, slots, :]
+            return
+        for t in kv.values():
             if t.dim() == 5:  # [2, num_blocks, block_size, heads, head]
                 vals = torch.randn((2, len(pos), t.shape[3], t.shape[4]), generator=self.gen).to(t.dtype)
                 t[:, blocks, slots] = vals
@@ -478,7 +545,8 @@ class Engine:
 
     def close(self) -> None:
         self.sched.close()
-        self.worker.close()  # the bank reader thread; closing a MemoryBackend or FlakyBackend keeps its bytes
+        for worker in self.workers:
+            worker.close()  # the bank reader thread; closing a MemoryBackend or FlakyBackend keeps its bytes
 
 
 def shard_backends(num_shards: int, num_backends: int, capacity_bytes: int | None = 64 * MiB,
@@ -512,7 +580,7 @@ def saved_chunk_idxs(meta: RangeConnectorMetadata) -> list[int]:
 
 
 def saved_hashes(worker_meta: RangeWorkerMetadata | None) -> list[ChunkHash]:
-    return [h for h, _ in worker_meta.saved] if worker_meta is not None else []
+    return [h for h, _group, _ in worker_meta.saved] if worker_meta is not None else []
 
 
 def stored_ticket(backend: Backend, chunk_hash: ChunkHash, shard_idx: int, *, kind: str = "dense",

@@ -41,9 +41,9 @@ def test_dram_index_learns_saves_and_evictions_from_worker_metadata() -> None:
     s1 = eng.step()  # chunks 0, 1: one stripe
     assert s1.worker_meta is not None and saved_hashes(s1.worker_meta) == hashes[:2]
     assert s1.worker_meta.dropped == []
-    for h, tickets in s1.worker_meta.saved:  # the index learns the tickets the tier holds
+    for h, _group, tickets in s1.worker_meta.saved:  # the index learns the tickets the tier holds
         assert tickets == (stored_ticket(dram, h, 0),)
-    assert len({t.stripe_id for _, ts in s1.worker_meta.saved for t in ts}) == 1
+    assert len({t.stripe_id for _, _group, ts in s1.worker_meta.saved for t in ts}) == 1
     assert eng.sched.get_num_new_matched_tokens(probe, 0) == (64, False)  # the index learnt chunks 0, 1
 
     eng.continue_("D-0")

@@ -326,6 +326,17 @@ def test_settings_mismatch_answers_409_naming_the_key(make_stack, caplog) -> Non
     assert any("block_size: prefill 16, decode 32" in record.getMessage() for record in caplog.records)
 
 
+def test_a_kv_dtype_mismatch_answers_409_naming_the_dtype(make_stack) -> None:
+    stack = make_stack()
+    stack.prefills[0].behaviour.settings = {**RANGE_SETTINGS, "kv_spec.dtype": "torch.bfloat16"}
+    stack.decodes[0].behaviour.settings = {**RANGE_SETTINGS, "kv_spec.dtype": "torch.float8_e4m3fn"}
+    response = stack.post("/v1/completions", COMPLETION)
+    assert response.status_code == 409
+    assert response.json()["error"]["mismatches"] == {
+        "kv_spec.dtype": {"prefill": "torch.bfloat16", "decode": "torch.float8_e4m3fn"}}
+    assert stack.decodes[0].requests == []
+
+
 def test_a_mismatched_decode_engine_is_passed_over_for_a_matching_one(make_stack) -> None:
     stack = make_stack(num_decode=2)
     stack.decodes[0].behaviour.settings = {**RANGE_SETTINGS, "num_shards": 4, "namespace": "other"}
