@@ -43,7 +43,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,6 +261,8 @@ class StepResult:
     worker_meta: RangeWorkerMetadata | None
     loaded_block_log: list[int]
     finished_recving: set[str] = field(default_factory=set)
+    #: ``finish_in_step``: req_id -> what ``request_finished`` returned (the object vLLM puts in the output)
+    finished_params: dict[str, Any] = field(default_factory=dict)
 
 
 #: the tier's settings among ``Engine(**config)`` (flat shorthand name -> TierConfig field)
@@ -272,7 +274,7 @@ class Engine:
 
     def __init__(self, backends: list[Backend], *, num_shards: int = 1, chunk_tokens: int = 32, kind: str = "dense",
                  lookup_backends: list[Backend] | None | str = "same", can_load: bool = True, can_save: bool = True,
-                 seed: int = 0, **config: Any) -> None:
+                 seed: int = 0, num_saving_ranks: int = 1, **config: Any) -> None:
         # This engine has no forward pass for the cost model to measure: its seed estimates would give every load a
         # deadline of min_load_deadline_s, which a busy test machine can overrun. Tests of deadlines set their own.
         config.setdefault("min_load_deadline_s", 5.0)
@@ -291,7 +293,8 @@ class Engine:
                                     can_load=can_load, can_save=can_save, num_layers=len(LAYERS),
                                     layer_block_bytes=LAYER_BLOCK_BYTES[kind],
                                     settings={"block_size": BLOCK, "chunk_tokens": self.config.chunk_tokens,
-                                              "num_shards": num_shards, "kind": kind})
+                                              "num_shards": num_shards, "kind": kind},
+                                    num_saving_ranks=num_saving_ranks)
         self.free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)  # block ids are neither contiguous nor ordered
         self.gen = torch.Generator().manual_seed(10_000 + seed)
@@ -418,13 +421,21 @@ class Engine:
 
     # ---------------------------------------------------------------- one step, both sides
     def step(self, *, forward: bool = True, snapshots: bool | None = None,
-             abort_mid_step: Sequence[str] = (), layer_waits: bool = True) -> StepResult:
+             abort_mid_step: Sequence[str] = (), layer_waits: bool = True, finish_in_step: Sequence[str] = (),
+             rank_reports: Callable[[RangeWorkerMetadata | None], list[RangeWorkerMetadata | None]] | None = None,
+             ) -> StepResult:
         """One engine step; ``snapshots`` (default: when there is no forward) keeps copies of the KV cache.
 
         ``abort_mid_step``: requests aborted by the client while the step runs (after the scheduler built the
         step, before the worker's output reaches it): ``request_finished`` comes before ``update_connector_output``.
         ``layer_waits=False``: attention does not call ``wait_for_layer_load`` (a platform whose attention path
         skips the connector's per-layer hooks).
+        ``finish_in_step``: requests whose output stops in this step (a prefill with ``max_tokens = 1``): as in
+        ``Scheduler.update_from_output``, ``request_finished`` runs after the worker's step and before
+        ``update_connector_output`` (scheduler.py L2230 before L2330); what it returned is in
+        ``StepResult.finished_params``, as vLLM serializes it after the step.
+        ``rank_reports``: maps this worker's report to every rank's (other tensor-parallel ranks), aggregated as
+        vLLM's ``KVOutputAggregator`` does (``distributed/kv_transfer/kv_connector/utils.py`` L144-153).
         """
         if snapshots is None:
             snapshots = not forward
@@ -448,12 +459,19 @@ class Engine:
         finished_recving = self.worker.get_finished(set(self.finished_req_ids))  # mixin L94
         invalid = self.worker.take_failed_block_ids()  # mixin L100
         worker_meta = self.worker.build_worker_meta()  # mixin L104
-        self.sched.update_connector_output(worker_meta, finished_recving)  # scheduler.py L3219
+        if rank_reports is not None:
+            worker_meta = aggregate_reports(rank_reports(worker_meta))
+        finished_params = {}
+        for req_id in finish_in_step:  # scheduler.py L2230: _free_request -> request_finished, inside the loop
+            r = self.running[req_id]
+            delay_free, finished_params[req_id] = self.sched.request_finished(r.request, list(r.block_ids))
+            assert delay_free is False
+        self.sched.update_connector_output(worker_meta, finished_recving)  # scheduler.py L2330 -> L3219
         for req_id, n in self._scheduled.items():
             self.running[req_id].num_computed_tokens += n
         self._new, self._cached, self._scheduled = [], [], {}
         self.finished_req_ids = set()
-        for req_id in abort_mid_step:
+        for req_id in [*abort_mid_step, *finish_in_step]:
             r = self.running.pop(req_id)
             self.free.extend(r.block_ids)
             self.finished_req_ids.add(req_id)
@@ -461,7 +479,7 @@ class Engine:
             if req_id in self.finished_req_ids and req_id in self.waiting_for_kv:
                 self.free.extend(self.waiting_for_kv.pop(req_id).block_ids)
         return StepResult(meta, before, after_load, load_s, invalid, worker_meta,
-                          self.worker.take_loaded_block_log(), finished_recving)
+                          self.worker.take_loaded_block_log(), finished_recving, finished_params)
 
     def _compute(self, block_ids: list[int], start: int, end: int) -> None:
         """The forward: new random KV in the token slots ``[start, end)`` of every layer."""
@@ -479,6 +497,19 @@ class Engine:
     def close(self) -> None:
         self.sched.close()
         self.worker.close()  # the bank reader thread; closing a MemoryBackend or FlakyBackend keeps its bytes
+
+
+def aggregate_reports(reports: Sequence[RangeWorkerMetadata | None]) -> RangeWorkerMetadata | None:
+    """Every rank's report of one step as vLLM's ``KVOutputAggregator.aggregate`` merges them: the first report
+    that is not ``None`` is the accumulator and every later one is aggregated into it
+    (``distributed/kv_transfer/kv_connector/utils.py`` L144-153)."""
+    out: RangeWorkerMetadata | None = None
+    for report in reports:
+        if out is None:
+            out = report
+        elif report:
+            out = out.aggregate(report)
+    return out
 
 
 def shard_backends(num_shards: int, num_backends: int, capacity_bytes: int | None = 64 * MiB,
