@@ -211,7 +211,8 @@ class RangeSpec:
             config, self.namespace, self.group.block_size * self.cp.dcp_size, backends,
             can_load=self.kv_role in LOADING_ROLES, can_save=self.kv_role in SAVING_ROLES,
             num_layers=len(self.group.layer_names), layer_block_bytes=self.group.page_size_bytes,
-            settings=producer_settings(self.namespace_fields), plan=self.plan, groups=self.ranks.groups)
+            settings=producer_settings(self.namespace_fields), plan=self.plan, groups=self.ranks.groups,
+            num_saving_ranks=sum(self.ranks.writers) * self.plan.num_writers)
 
     def rank_view(self, meta: RangeConnectorMetadata) -> RangeConnectorMetadata:
         """The scheduler's metadata as this rank's worker sees it: each chunk's tickets cut to the rank's ticket

@@ -51,6 +51,8 @@ class RequestTransfer:
             (all before the forward; for comparison only).
         deadline_s: for loads the cost model planned, seconds the load may take: derived from its predicted time
             and bounded by what recomputing the tokens would cost (``None``: the config's ``load_deadline_s``).
+        confirm: for saves, report the outcome of every chunk of this request (``RangeWorkerMetadata.save_results``):
+            a disaggregated hand-off announces only the chunks every saving rank reported stored.
     """
 
     req_id: str
@@ -59,6 +61,7 @@ class RequestTransfer:
     fail: bool = False
     mode: str = "pipelined"
     deadline_s: float | None = None
+    confirm: bool = False
 
 
 @dataclass
@@ -88,6 +91,10 @@ class RangeWorkerMetadata:
             bytes (not ``complete``: a lower bound on the tier's time), for the cost model's estimates of ``B`` and
             ``T0``.
         probe_timings: ``(bytes per shard, seconds, complete)`` of each background probe of a refused tier.
+        save_results: ``(req_id, chunk_idx, stored)`` for every chunk of a save the scheduler asked to confirm
+            (``RequestTransfer.confirm``), once this worker's write of it ended: ``stored`` is whether every shard
+            of this worker holds the chunk. One entry per chunk per worker; aggregating keeps every worker's entries,
+            so the scheduler can count the ranks that reported a chunk stored (a rank's ``False`` makes it unstored).
     """
 
     saved: list[tuple[ChunkHash, int, tuple[Ticket, ...]]] = field(default_factory=list)
@@ -96,6 +103,7 @@ class RangeWorkerMetadata:
     loaded: list[str] = field(default_factory=list)
     load_timings: list[tuple[tuple[str, ...], int, float, bool]] = field(default_factory=list)
     probe_timings: list[tuple[int, float, bool]] = field(default_factory=list)
+    save_results: list[tuple[str, int, bool]] = field(default_factory=list)
 
     def aggregate(self, other: RangeWorkerMetadata) -> RangeWorkerMetadata:
         """This worker's report merged with another worker's (vLLM aggregates them across workers).
@@ -109,4 +117,5 @@ class RangeWorkerMetadata:
                                    failed_loads=self.failed_loads + other.failed_loads,
                                    loaded=sorted(set(self.loaded) | set(other.loaded)),
                                    load_timings=self.load_timings + other.load_timings,
-                                   probe_timings=self.probe_timings + other.probe_timings)
+                                   probe_timings=self.probe_timings + other.probe_timings,
+                                   save_results=self.save_results + other.save_results)

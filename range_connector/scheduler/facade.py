@@ -63,12 +63,19 @@ class RangeScheduler:
         plan: the deployment's shard plan (context-parallel sizes; default: ``num_shards`` shards, one writer).
         groups: ``[num_groups]`` the head slice of each ticket group (:mod:`range_connector.kv.heads`; default one
             group holding every head): lookups need every group, and each load carries every group's tickets.
+        num_saving_ranks: workers that each save and report their own slice of every chunk (tensor-parallel ranks):
+            a producer announces a chunk only once that many reported it stored
+            (:class:`~range_connector.scheduler.handoff.Handoff`).
+
+    Raises:
+        ValueError: ``num_saving_ranks`` is less than 1.
     """
 
     def __init__(self, config: RangeConfig, namespace: bytes, block_size: int,
                  lookup_backends: list[Backend] | None, *, can_load: bool, can_save: bool,
                  num_layers: int = 0, layer_block_bytes: int = 0, settings: dict[str, Any] | None = None,
-                 plan: ShardPlan | None = None, groups: Sequence[HeadSlice] = (HeadSlice(0, 1),)) -> None:
+                 plan: ShardPlan | None = None, groups: Sequence[HeadSlice] = (HeadSlice(0, 1),),
+                 num_saving_ranks: int = 1) -> None:
         assert config.chunk_tokens is not None
         self.config = config
         self.namespace = namespace
@@ -91,7 +98,7 @@ class RangeScheduler:
         self.lookup = PrefixLookup(config, self.plan, lookup_backends, num_layers=num_layers,
                                    layer_block_bytes=layer_block_bytes, stats=self.stats, groups=groups)
         self.leases = LeaseBook(lookup_backends, config.lease_ttl_s, self.stats)
-        self.handoff = Handoff(self.settings, config.remote_wait_s, self.stats)
+        self.handoff = Handoff(self.settings, config.remote_wait_s, self.stats, num_saving_ranks)
         gate: CostGate | None = None
         if can_load and num_layers > 0 and layer_block_bytes > 0:
             calibration = load_calibration(config.calibration_file) if config.calibration_file else None
@@ -143,6 +150,10 @@ class RangeScheduler:
         req_id = request.request_id
         hashes, tail = self._chain(request)
         num_prompt = len(request.prompt_token_ids or [])
+        if self.can_load and self.handoff.announced_nothing(request):  # its producer stored nothing: compute it now
+            self._lookups[req_id] = LookupResult(hashes, [], 0, num_computed_tokens, num_computed_tokens, "pipelined",
+                                                 tail)
+            return 0, False
         refusal = self.admission.refused_unseen(num_prompt, num_computed_tokens, pending=self.lookup.is_pending(
             req_id)) if self.can_load else None
         if refusal is not None:
@@ -169,7 +180,7 @@ class RangeScheduler:
         self._lookups[req_id] = lookup
         if not self.can_load:
             return 0, False
-        if self.handoff.should_wait(request, hit):
+        if self.handoff.should_wait(request, hit, tier_down=self.lookup.is_down()):
             return None, False  # vLLM asks again next step
         # The gate weighs the hit against recomputing it; a producer's whole prompt (a tail) is always taken: a
         # decode engine exists to load it.
@@ -200,6 +211,9 @@ class RangeScheduler:
                 state.num_saved_chunks = max(state.num_saved_chunks, lookup.num_stored_chunks)
                 state.num_stored_chunks = max(state.num_stored_chunks, lookup.num_stored_chunks)
                 state.tail_saved = state.tail_saved or lookup.has_tail
+        if self.can_save:  # a request to announce: its saves are confirmed by the workers
+            self.handoff.track(request, num_stored_chunks=lookup.num_stored_chunks if lookup else 0,
+                               tail_stored=lookup.has_tail if lookup else False)
         if num_external_tokens <= 0:
             return
         bpc = self.plan.blocks_per_chunk
@@ -237,10 +251,12 @@ class RangeScheduler:
     # ---------------------------------------------------------------- per step
     def build_connector_meta(self, scheduler_output: StepSchedule) -> RangeConnectorMetadata:
         """Collect this step's loads and the saves of chunks whose tokens are computed by the end of the step."""
+        self.handoff.close_open()  # (should the last step have brought no connector output)
         meta = RangeConnectorMetadata(loads=self._loads, probes=self.admission.take_probes())
         self._loads = []
         self.admission.observe_step(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
+            self.handoff.drop(req_id)
             self._requests.pop(req_id, None)
             self._lookups.pop(req_id, None)
             self._load_failed_at_tokens.pop(req_id, None)
@@ -249,9 +265,11 @@ class RangeScheduler:
         if self.can_save:
             stored = self.lookup.index if not self.lookup.is_remote else ()
             for state, computed in progress:
+                first = state.num_saved_chunks
                 save = plan_save(state, computed, chunk_tokens=self.chunk_tokens, block_size=self.block_size,
                                  blocks_per_chunk=self.plan.blocks_per_chunk, save_tail=self.save_tail,
                                  already_stored=stored)
+                save = self.handoff.plan_saves(state.req_id, first, state.num_saved_chunks, save)
                 if save is not None:
                     meta.saves.append(save)
         return meta
@@ -260,11 +278,19 @@ class RangeScheduler:
                                 finished_recving: set[str] | None = None) -> None:
         """Learn completed saves and dropped values (the DRAM tier's index lives here) and settle the tokens of
         finished loads (:class:`~range_connector.metrics.LoadTally`; ``finished_recving``: the asynchronous loads
-        vLLM reports finished in this step, every worker done)."""
+        vLLM reports finished in this step, every worker done).
+
+        Last, the announcements of requests that finished in this step are completed with the saves the workers
+        confirmed in it, and made final: vLLM calls ``request_finished`` before this, in the same step, and
+        serializes its answer after (:mod:`range_connector.scheduler.handoff`)."""
         self.tally.settle(worker_meta.loaded if worker_meta else (), worker_meta.failed_loads if worker_meta else (),
                           finished_recving or ())
-        if worker_meta is None:
-            return
+        if worker_meta is not None:
+            self._learn(worker_meta)
+        self.handoff.close_open()
+
+    def _learn(self, worker_meta: RangeWorkerMetadata) -> None:
+        self.handoff.learn(worker_meta.save_results)
         dropped = set(worker_meta.dropped)
         for req_id, chunk_idx in worker_meta.failed_loads:
             failed_at = chunk_idx * self.chunk_tokens
@@ -272,16 +298,20 @@ class RangeScheduler:
             state = self._requests.get(req_id)
             if state is not None:
                 redo_from(state, chunk_idx, dropped)
+                self.handoff.redo_from(req_id, state.num_saved_chunks, state.tail_saved)
         for req_id in worker_meta.loaded:
             self.leases.release(req_id)
         self.admission.learn(worker_meta)
         self.lookup.learn(worker_meta.saved, worker_meta.dropped)
 
     def request_finished(self, request: EngineRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves are synchronous within a step, so the blocks can be freed now.
+        """Forget the request; saves gather their blocks within the step, so the blocks can be freed now.
 
         Returns ``kv_transfer_params`` when the request asked for them (``do_remote_decode`` from a disaggregated
-        proxy, or ``range_describe``): :meth:`range_connector.scheduler.handoff.Handoff.announcement`.
+        proxy, or ``range_describe``): :meth:`range_connector.scheduler.handoff.Handoff.announcement`, the chunks
+        its workers reported stored. The report of this step's saves comes after this call (vLLM 0.32: L2230 before
+        L2330 of ``v1/core/sched/scheduler.py``); :meth:`update_connector_output` completes the returned dict in
+        place, before vLLM serializes it.
         """
         req_id = request.request_id
         state = self._requests.pop(req_id, None)

@@ -70,6 +70,11 @@ class PrefixLookup:
         """The tier lives elsewhere (Valkey, files): lookups ask its servers."""
         return self.backends is not None
 
+    def is_down(self) -> bool:
+        """Lookups count the tier as down: one failed less than the tier's ``retry_s`` ago, so they are misses
+        without asking (always ``False`` for the DRAM tier, whose index lives here)."""
+        return time.monotonic() < self._down_until
+
     def is_pending(self, req_id: str) -> bool:
         """The request's lookup outlasted ``lookup_wait_s`` and is still running."""
         return req_id in self._pending

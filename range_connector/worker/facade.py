@@ -365,22 +365,33 @@ class RangeWorker:
         them (at most ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped) and they are
         reported to the scheduler with the step after the write. A failed or skipped write is counted, never
         raised: a lost save is only a future miss. The step's pipelined loads are settled first (a chunk computed
-        on top of a failed load is not saved).
+        on top of a failed load is not saved). Every chunk of a save marked ``confirm`` is reported, stored or not,
+        in ``RangeWorkerMetadata.save_results`` (in this step's report with ``"sync"``, in the report of the step
+        after its write with ``"async"``).
         """
         self._finish_step_job()
-        if not meta.saves or self.layout is None or not self.is_writer:
+        if not meta.saves or not self.is_writer:  # (a replica's heads are written by its ticket group's writer)
+            return
+        if self.layout is None:  # no KV cache registered: nothing can be stored
+            self.saver.report([(r.req_id, c.chunk_idx) for r in meta.saves if r.confirm for c in r.chunks], False)
             return
         chunks = []  # (chunk_hash, block ids of the whole chunk)
+        owners: list[tuple[str, int] | None] = []  # who waits for each chunk's outcome
+        dropped: list[tuple[str, int] | None] = []
         for req in meta.saves:
             failed_from = self._failed_from_chunk.get(req.req_id)
             for c in req.chunks:
+                owner = (req.req_id, c.chunk_idx) if req.confirm else None
                 if failed_from is not None and c.chunk_idx >= failed_from:
                     self.stats["saves_dropped_after_failed_load"] += 1
+                    dropped.append(owner)
                     continue
                 chunks.append((c.chunk_hash, c.block_ids))
+                owners.append(owner)
+        self.saver.report(dropped, False)
         if not chunks:
             return
-        self.saver.save(chunks, self.load_context)
+        self.saver.save(chunks, self.load_context, owners)
 
     def wait_for_saves(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"``; whether all ended."""
@@ -388,7 +399,8 @@ class RangeWorker:
 
     # ---------------------------------------------------------------- to the scheduler
     def build_worker_meta(self) -> RangeWorkerMetadata | None:
-        """Saves completed, loads finished, and chunks dropped since the last call."""
+        """Saves completed (and the outcomes of confirmed ones), loads finished, and chunks dropped since the last
+        call; ``None`` when there is nothing to report."""
         dropped = list(self._dropped)
         for b in {id(b): b for b in self.backends}.values():
             take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
@@ -402,7 +414,7 @@ class RangeWorker:
         saved = self.saver.take_saved()
         meta = RangeWorkerMetadata(saved=saved, dropped=dropped, failed_loads=self._failed_loads,
                                    loaded=self._loaded_reqs, load_timings=self._load_timings,
-                                   probe_timings=probe_timings)
+                                   probe_timings=probe_timings, save_results=self.saver.take_results())
         self._dropped, self._failed_loads, self._loaded_reqs = [], [], []
         self._load_timings = []
         return meta

@@ -7,6 +7,10 @@ written before :meth:`StripeSaver.save` returns; with ``"async"`` one background
 ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped). A failed or skipped write is counted,
 never raised: a lost save is only a future miss. After a shard's write fails, saves to it are skipped for the tier's
 ``retry_s``.
+
+A save can also be asked to *confirm* its chunks (a disaggregated producer's, whose announcement must name only KV
+that is stored): each such chunk is reported once its write ended, stored or not (:meth:`StripeSaver.take_results`),
+including the chunks of a save that was skipped or failed.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ logger = logging.getLogger("vllm." + __name__)
 
 #: one chunk to save: its hash and the engine block ids of the whole chunk
 SaveChunk = tuple[ChunkHash, tuple[int, ...]]
+#: who waits for a chunk's outcome: ``(req_id, chunk_idx)``, or ``None`` when nobody does
+SaveOwner = tuple[str, int] | None
 
 
 class StripeSaver:
@@ -62,6 +68,7 @@ class StripeSaver:
         self.stats = stats
         self._down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
         self._saved: list[tuple[ChunkHash, int, tuple[Ticket, ...]]] = []  # (appended by the saver thread too)
+        self._results: list[tuple[str, int, bool]] = []  # confirmed chunks' outcomes (likewise)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-save")
         self._pending: weakref.WeakSet[Future] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -73,8 +80,8 @@ class StripeSaver:
         return self._backlog_bytes
 
     def has_saved(self) -> bool:
-        """Whether saves completed since :meth:`take_saved` last ran."""
-        return bool(self._saved)
+        """Whether saves completed since :meth:`take_saved` last ran, or outcomes wait in :meth:`take_results`."""
+        return bool(self._saved or self._results)
 
     def take_saved(self) -> list[tuple[ChunkHash, int, tuple[Ticket, ...]]]:
         """``(chunk hash, ticket group, [num_shards] tickets)`` of the chunks whose every shard was written since
@@ -83,9 +90,35 @@ class StripeSaver:
             saved, self._saved = self._saved, []
         return saved
 
-    def save(self, chunks: list[SaveChunk], context: LoadContext) -> None:
+    def take_results(self) -> list[tuple[str, int, bool]]:
+        """``(req_id, chunk_idx, stored)`` of every confirmed chunk whose write ended since the last call (``stored``:
+        every shard of this worker holds it)."""
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def report(self, owners: Sequence[SaveOwner], stored: bool) -> None:
+        """Record the outcome of owned chunks that are not handed to :meth:`save` (dropped before it), for
+        :meth:`take_results`."""
+        results = [(o[0], o[1], stored) for o in owners if o is not None]
+        if results:
+            with self._lock:
+                self._results.extend(results)
+
+    def save(self, chunks: list[SaveChunk], context: LoadContext, owners: Sequence[SaveOwner] = ()) -> None:
         """Gather ``chunks`` out of the KV cache (``context``: its rows and layout) and write them as one stripe per
-        shard (split at the tier's value limit)."""
+        shard (split at the tier's value limit).
+
+        Args:
+            owners: ``[len(chunks)]`` who waits for each chunk's outcome (``(req_id, chunk_idx)``), or empty: the
+                outcome of each owned chunk is reported through :meth:`take_results` once its write ended, or at
+                once when the save is skipped.
+        """
+        owners = list(owners) or [None] * len(chunks)
+        if len(owners) != len(chunks):  # (a caller's bug: report nothing rather than mismatched outcomes)
+            logger.error("Range save: %d owners for %d chunks; their outcomes are not reported", len(owners),
+                         len(chunks))
+            owners = [None] * len(chunks)
         layout = context.layout
         bps = self.plan.blocks_per_shard
         stripes = []  # (shard, backend, chunks of the stripe, per-layer values)
@@ -105,15 +138,16 @@ class StripeSaver:
                 stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks, context)))
         hashes = [h for h, _ in chunks]
         if self.config.save_mode != "async":
-            self._write_stripes(stripes, hashes, 0, context)
+            self._write_stripes(stripes, hashes, owners, 0, context)
             return
         nbytes = sum(v.numel() * v.element_size() for *_rest, values in stripes for v in values)
         with self._lock:
             if self._backlog_bytes + nbytes > self.config.save_backlog_bytes:
                 self.stats["saves_skipped_backlog"] += 1
+                self._results.extend((o[0], o[1], False) for o in owners if o is not None)
                 return
             self._backlog_bytes += nbytes
-        self._pending.add(self._thread.submit(self._write_stripes, stripes, hashes, nbytes, context))
+        self._pending.add(self._thread.submit(self._write_stripes, stripes, hashes, owners, nbytes, context))
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"``; whether all ended."""
@@ -136,24 +170,31 @@ class StripeSaver:
             return [gather_layer(rows, layout, layer_idx, index).cpu() for layer_idx in range(num_layers)]
         return [gather_layer(rows, layout, layer_idx, index) for layer_idx in range(num_layers)]
 
-    def _write_stripes(self, stripes: list, hashes: list[ChunkHash], backlog_bytes: int,
+    def _write_stripes(self, stripes: list, hashes: list[ChunkHash], owners: Sequence[SaveOwner], backlog_bytes: int,
                        context: LoadContext) -> None:
-        """Write gathered stripes; chunks whose every shard was written are reported saved."""
+        """Write gathered stripes; chunks whose every shard was written are reported saved, and every owned chunk's
+        outcome (stored or not) is kept for :meth:`take_results`."""
+        reported = False
         try:
             tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
             for s, backend, stripe_chunks, values in stripes:
                 self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk, context)
             saved = [(h, self.ticket_group, tuple(tickets)) for h, tickets in tickets_by_chunk.items()
                      if all(t is not None for t in tickets)]
+            stored = {h for h, _group, _tickets in saved}
             with self._lock:
                 self._saved.extend(saved)  # type: ignore[arg-type]
+                self._results.extend((o[0], o[1], h in stored) for h, o in zip(hashes, owners) if o is not None)
                 self._backlog_bytes -= backlog_bytes
+                reported = True
             self.stats["saved_chunks"] += len(saved)
         except Exception:  # a background write must never take the worker down
             logger.exception("Range save failed")
             self.stats["save_errors"] += 1
-            with self._lock:
-                self._backlog_bytes -= backlog_bytes
+            if not reported:
+                with self._lock:
+                    self._results.extend((o[0], o[1], False) for o in owners if o is not None)
+                    self._backlog_bytes -= backlog_bytes
 
     def _write_stripe(self, s: int, backend: Backend, chunks: list[SaveChunk], values: list[torch.Tensor],
                       tickets_by_chunk: dict[ChunkHash, list[Ticket | None]], context: LoadContext) -> None:

@@ -43,7 +43,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,6 +276,8 @@ class StepResult:
     worker_meta: RangeWorkerMetadata | None
     loaded_block_log: list[int]
     finished_recving: set[str] = field(default_factory=set)
+    #: ``finish_in_step``: req_id -> what ``request_finished`` returned (the object vLLM puts in the output)
+    finished_params: dict[str, Any] = field(default_factory=dict)
 
 
 #: the tier's settings among ``Engine(**config)`` (flat shorthand name -> TierConfig field)
@@ -294,7 +296,7 @@ class Engine:
     def __init__(self, backends: list[Backend], *, num_shards: int = 1, chunk_tokens: int = 32, kind: str = "dense",
                  lookup_backends: list[Backend] | None | str = "same", can_load: bool = True, can_save: bool = True,
                  seed: int = 0, tp_size: int = 1, rank_backends: list[list[Backend]] | None = None,
-                 model_heads: bool = False, **config: Any) -> None:
+                 model_heads: bool = False, num_saving_ranks: int | None = None, **config: Any) -> None:
         # This engine has no forward pass for the cost model to measure: its seed estimates would give every load a
         # deadline of min_load_deadline_s, which a busy test machine can overrun. Tests of deadlines set their own.
         config.setdefault("min_load_deadline_s", 5.0)
@@ -332,7 +334,9 @@ class Engine:
                                     can_load=can_load, can_save=can_save, num_layers=len(LAYERS),
                                     layer_block_bytes=self.layer_block_bytes,
                                     settings={"block_size": BLOCK, "chunk_tokens": self.config.chunk_tokens,
-                                              "num_shards": num_shards, "kind": kind}, groups=self.ranks.groups)
+                                              "num_shards": num_shards, "kind": kind}, groups=self.ranks.groups,
+                                    num_saving_ranks=num_saving_ranks if num_saving_ranks is not None
+                                    else sum(self.ranks.writers))
         #: per rank, the view of the step's metadata its worker got (group_view unless a test swaps it)
         self.rank_view = lambda meta, r: group_view(meta, self.ranks.rank_group[r], self.ranks.num_groups,
                                                     self.config.num_shards)
@@ -462,13 +466,21 @@ class Engine:
 
     # ---------------------------------------------------------------- one step, both sides
     def step(self, *, forward: bool = True, snapshots: bool | None = None,
-             abort_mid_step: Sequence[str] = (), layer_waits: bool = True) -> StepResult:
+             abort_mid_step: Sequence[str] = (), layer_waits: bool = True, finish_in_step: Sequence[str] = (),
+             rank_reports: Callable[[RangeWorkerMetadata | None], list[RangeWorkerMetadata | None]] | None = None,
+             ) -> StepResult:
         """One engine step; ``snapshots`` (default: when there is no forward) keeps copies of the KV cache.
 
         ``abort_mid_step``: requests aborted by the client while the step runs (after the scheduler built the
         step, before the worker's output reaches it): ``request_finished`` comes before ``update_connector_output``.
         ``layer_waits=False``: attention does not call ``wait_for_layer_load`` (a platform whose attention path
         skips the connector's per-layer hooks).
+        ``finish_in_step``: requests whose output stops in this step (a prefill with ``max_tokens = 1``): as in
+        ``Scheduler.update_from_output``, ``request_finished`` runs after the worker's step and before
+        ``update_connector_output`` (scheduler.py L2230 before L2330); what it returned is in
+        ``StepResult.finished_params``, as vLLM serializes it after the step.
+        ``rank_reports``: maps this worker's report to every rank's (other tensor-parallel ranks), aggregated as
+        vLLM's ``KVOutputAggregator`` does (``distributed/kv_transfer/kv_connector/utils.py`` L144-153).
         """
         if snapshots is None:
             snapshots = not forward
@@ -506,12 +518,19 @@ class Engine:
             worker_meta = rank_meta if worker_meta is None else (
                 worker_meta.aggregate(rank_meta) if rank_meta is not None else worker_meta)
         assert finished_recving is not None
-        self.sched.update_connector_output(worker_meta, finished_recving)  # scheduler.py L3219
+        if rank_reports is not None:
+            worker_meta = aggregate_reports(rank_reports(worker_meta))
+        finished_params = {}
+        for req_id in finish_in_step:  # scheduler.py L2230: _free_request -> request_finished, inside the loop
+            r = self.running[req_id]
+            delay_free, finished_params[req_id] = self.sched.request_finished(r.request, list(r.block_ids))
+            assert delay_free is False
+        self.sched.update_connector_output(worker_meta, finished_recving)  # scheduler.py L2330 -> L3219
         for req_id, n in self._scheduled.items():
             self.running[req_id].num_computed_tokens += n
         self._new, self._cached, self._scheduled = [], [], {}
         self.finished_req_ids = set()
-        for req_id in abort_mid_step:
+        for req_id in [*abort_mid_step, *finish_in_step]:
             r = self.running.pop(req_id)
             self.free.extend(r.block_ids)
             self.finished_req_ids.add(req_id)
@@ -519,7 +538,8 @@ class Engine:
             if req_id in self.finished_req_ids and req_id in self.waiting_for_kv:
                 self.free.extend(self.waiting_for_kv.pop(req_id).block_ids)
         logs = [w.take_loaded_block_log() for w in self.workers]
-        return StepResult(meta, before, after_load, load_s, invalid, worker_meta, logs[0], finished_recving)
+        return StepResult(meta, before, after_load, load_s, invalid, worker_meta, logs[0], finished_recving,
+                          finished_params)
 
     def _compute(self, block_ids: list[int], start: int, end: int, kv: dict[str, torch.Tensor],
                  like: dict[str, torch.Tensor] | None = None) -> None:
@@ -547,6 +567,19 @@ class Engine:
         self.sched.close()
         for worker in self.workers:
             worker.close()  # the bank reader thread; closing a MemoryBackend or FlakyBackend keeps its bytes
+
+
+def aggregate_reports(reports: Sequence[RangeWorkerMetadata | None]) -> RangeWorkerMetadata | None:
+    """Every rank's report of one step as vLLM's ``KVOutputAggregator.aggregate`` merges them: the first report
+    that is not ``None`` is the accumulator and every later one is aggregated into it
+    (``distributed/kv_transfer/kv_connector/utils.py`` L144-153)."""
+    out: RangeWorkerMetadata | None = None
+    for report in reports:
+        if out is None:
+            out = report
+        elif report:
+            out = out.aggregate(report)
+    return out
 
 
 def shard_backends(num_shards: int, num_backends: int, capacity_bytes: int | None = 64 * MiB,
