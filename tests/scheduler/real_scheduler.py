@@ -13,9 +13,10 @@ that version's:
   pool; ``cache_config.num_gpu_blocks`` is set to it, as ``create_scheduler`` does.
 * ``vllm.v1.core.sched.scheduler.Scheduler(vllm_config, kv_cache_config, StructuredOutputManager(vllm_config),
   block_size, log_stats=True)`` (L85): it builds Range's scheduler half itself, through ``KVConnectorFactory``
-  (L175-179), and drives it as in an engine: ``get_num_new_matched_tokens`` (L979), ``update_state_after_alloc``
-  (L1289), ``build_connector_meta`` (L1530), ``request_finished`` from ``_free_request`` (L2723, L3051),
-  ``update_connector_output`` (L3219).
+  (L176), and drives it as in an engine: ``get_num_new_matched_tokens`` (L979), ``update_state_after_alloc``
+  (L1289), ``build_connector_meta`` (L1529), ``request_finished`` from ``_free_request`` (L2723, L3051; for a
+  request that stops, inside ``update_from_output`` at L2230, before that step's ``update_connector_output`` at
+  L2330 -> L3219).
 * Range's worker half: ``RangeConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)``, whose backends are
   wrapped at the boundary by :class:`GatedBackend` (it holds reads or writes until the test lets them through),
   registered on KV tensors shaped as vLLM's CPU attention hands them: ``[num_blocks, num_kv_heads, block_size,
@@ -547,8 +548,11 @@ class RealEngine:
         kcm.free = free  # type: ignore[method-assign]
 
     # ---------------------------------------------------------------- driving
-    def add(self, req_id: str, prompt_token_ids: list[int], max_tokens: int = 1) -> Request:
-        request = Request(req_id, list(prompt_token_ids), SamplingParams(max_tokens=max_tokens), None)
+    def add(self, req_id: str, prompt_token_ids: list[int], max_tokens: int = 1,
+            kv_transfer_params: dict[str, Any] | None = None) -> Request:
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+        request = Request(req_id, list(prompt_token_ids), SamplingParams(max_tokens=max_tokens, extra_args=extra),
+                          None)
         self.scheduler.add_request(request)
         self.tokens[req_id] = []
         return request

@@ -90,6 +90,29 @@ def test_request_finished_before_the_connector_output_of_the_same_step_catches_t
         _finish_in_the_loading_step(engine(load_mode="pipelined"), "stops")
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 15 items 2-3: a producer's kv_transfer_params are built in request_finished, which vLLM calls before the "
+    "connector output of the same step (scheduler.py L2230 before L2330), from the saves the scheduler half planned "
+    "(Handoff.announcement reads RequestState.num_saved_chunks / tail_saved), not from what the workers reported "
+    "stored; the fix belongs in scheduler/facade.py and scheduler/handoff.py"))
+def test_a_producer_finished_before_its_save_report_announces_only_what_is_stored(engine) -> None:
+    """The same ordering on a prefill engine (``kv_producer``): the request's only step computes and saves its whole
+    prompt, the write fails, and vLLM finishes the request (and sends its announcement) before that step's report
+    reaches Range. A decode engine must not be told of KV that is not stored (it would wait ``remote_wait_s``)."""
+    eng = engine(kv_role="kv_producer")
+    x = prompt(100, 5)
+    eng.gate.fail_writes = True
+    request = eng.add("Q", x, kv_transfer_params={"do_remote_decode": True})
+    rec = eng.step()
+    assert rec.finished == {"Q": "length"}
+    assert [c.hook for c in eng.hook_log if c.step == rec.idx and c.hook in (
+        "request_finished", "update_connector_output")] == ["request_finished", "update_connector_output"]
+    [call] = eng.calls("request_finished", "Q")
+    announced = call.result[1]["range"]["num_tokens"]
+    stored_chunks = len(eng.range.stored_prefix(*eng.range._chain(request)))
+    assert announced <= stored_chunks * 32, f"announced {announced} tokens, {stored_chunks} chunks stored"
+
+
 # ---------------------------------------------------------------------------------------------------- 2
 def _abort_while_waiting(eng: RealEngine) -> None:
     x = _stored_prefix(eng, 11)
