@@ -48,10 +48,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import math
 import random
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +62,7 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -89,6 +89,8 @@ MAX_MODEL_LEN = 1024
 #: upper bound of every wait in the harness and every deadline it configures (never reached in a passing run)
 WIDE_S = 60.0
 _MASK31 = (1 << 31) - 1
+#: what the fake forward mixes into the KV of tokens computed on top of wrong KV (the result stays finite bf16)
+TAINT = 0x1555
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -176,7 +178,7 @@ class Valve:
 
 class GatedBackend(Backend):
     """The worker's side of the tier: every call goes to the real backend, but reads and writes pass a
-    :class:`Valve` first, and writes can be made to fail.
+    :class:`Valve` first, and reads or writes can be made to fail (:class:`BackendError`).
 
     Args:
         inner: the real backend (here the file tier).
@@ -192,6 +194,8 @@ class GatedBackend(Backend):
         self.reads = Valve("read")
         self.writes = Valve("write")
         self.fail_writes = False
+        #: the next this many reads fail as an unreachable tier does (transient: the tickets are kept)
+        self.fail_reads = 0
 
     def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self.inner.get_tickets(keys)
@@ -204,6 +208,9 @@ class GatedBackend(Backend):
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
         self.reads.pass_through()
+        if self.fail_reads > 0:
+            self.fail_reads -= 1
+            raise BackendError(f"{self.name}: injected read failure")
         return self.inner.read_ranges(reads)
 
     def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
@@ -276,6 +283,8 @@ class RunnerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     seeds: list[int] = field(default_factory=list)
+    #: the first token of a block reported as a load error, until vLLM rewinds the request to it
+    suspect_from: int | None = None
 
     def seeds_through(self, n: int) -> list[int]:
         if len(self.seeds) < n:
@@ -335,6 +344,8 @@ class FakeModelRunner:
                 continue
             r = self.requests[req_id]
             r.num_computed_tokens = cached.num_computed_tokens[i]
+            if r.suspect_from is not None and r.num_computed_tokens <= r.suspect_from:
+                r.suspect_from = None  # vLLM rewound the request: it recomputes from there
             if new_ids:
                 r.block_ids.extend(new_ids[0])
 
@@ -342,19 +353,23 @@ class FakeModelRunner:
         pos = torch.arange(start, end)
         return torch.tensor(r.block_ids, dtype=torch.long)[pos // BLOCK_SIZE], pos % BLOCK_SIZE
 
-    def _attention(self, layer_idx: int, r: RunnerRequest, expected: torch.Tensor, num_new: int) -> set[int]:
-        """Check the request's computed KV in one layer, then write the KV of its new tokens; returns the blocks
-        whose KV was wrong."""
+    def _attention(self, layer_idx: int, r: RunnerRequest, expected: torch.Tensor, num_new: int,
+                   tainted: bool) -> int | None:
+        """Check the request's computed KV in one layer, then write the KV of its new tokens (``tainted``: computed
+        on top of wrong KV in an earlier layer, so not the prefix's KV); returns the first position whose KV was
+        wrong, if any."""
         kv16 = self.buffer[layer_idx]
         start = r.num_computed_tokens
-        bad: set[int] = set()
+        first_bad = None
         if start:
             blocks, slots = self._slots(r, 0, start)
             wrong = (kv16[blocks, :, slots, :] != expected[:start, layer_idx]).flatten(1).any(1)
-            bad = {int(b) for b in blocks[wrong]}
+            if bool(wrong.any()):
+                first_bad = int(wrong.nonzero()[0])
         blocks, slots = self._slots(r, start, start + num_new)
-        kv16[blocks, :, slots, :] = expected[start:start + num_new, layer_idx]
-        return bad
+        new = expected[start:start + num_new, layer_idx]
+        kv16[blocks, :, slots, :] = new ^ TAINT if tainted else new
+        return first_bad
 
     def _drain(self) -> None:
         if not self.drain_async_loads or any(v.held for v in self.valves):
@@ -365,15 +380,20 @@ class FakeModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step of the worker, in the order of ``KVConnectorModelRunnerMixin._get_kv_connector_output``.
 
+        A request whose attention reads wrong KV in layer ``l`` writes tainted KV for its new tokens from layer
+        ``l + 1`` on (a real model computes them from that attention's output). Wrong KV is excused at or after
+        the first block of the request that the worker reported as a load error (vLLM recomputes from there), in
+        this step or in an earlier one that vLLM has not rewound yet (overlapped steps).
+
         Raises:
-            KVMismatch: attention read wrong KV in a block that was not reported as a load error.
+            KVMismatch: attention read wrong KV anywhere else.
         """
         self._update_states(so)
         c = self.connector
         c.bind_connector_metadata(so.kv_connector_metadata)
         if so.has_sync_kv_loads:  # synchronous loads feed this step's forward (mixin L84-85)
             c.start_load_kv(None)
-        bad: dict[str, set[int]] = {}
+        first_bad: dict[str, int] = {}
         if so.total_num_scheduled_tokens:
             expected = {}
             for req_id, n in so.num_scheduled_tokens.items():
@@ -382,9 +402,10 @@ class FakeModelRunner:
             for layer_idx, name in enumerate(LAYER_NAMES):
                 c.wait_for_layer_load(name)  # attention of layer l waits for layer l's load
                 for req_id, n in so.num_scheduled_tokens.items():
-                    wrong = self._attention(layer_idx, self.requests[req_id], expected[req_id], n)
-                    if wrong:
-                        bad.setdefault(req_id, set()).update(wrong)
+                    bad = self._attention(layer_idx, self.requests[req_id], expected[req_id], n,
+                                          tainted=req_id in first_bad)
+                    if bad is not None:
+                        first_bad[req_id] = min(bad, first_bad.get(req_id, bad))
                 c.save_kv_layer(name, self.kv[name], None)
         if not so.has_sync_kv_loads:  # otherwise loads start after the forward (mixin L89-90)
             c.start_load_kv(None)
@@ -398,17 +419,22 @@ class FakeModelRunner:
             kv_connector_stats=c.get_kv_connector_stats(), kv_cache_events=c.get_kv_connector_kv_cache_events(),
             kv_connector_worker_meta=c.build_connector_worker_meta())
         c.clear_connector_metadata()
-        unexcused = {req_id: sorted(b - invalid) for req_id, b in bad.items() if b - invalid}
+        for r in self.requests.values():
+            failed = [i * BLOCK_SIZE for i, b in enumerate(r.block_ids) if b in invalid]
+            if failed:
+                r.suspect_from = min([*failed, r.suspect_from if r.suspect_from is not None else failed[0]])
+        unexcused = {req_id: pos for req_id, pos in first_bad.items()
+                     if self.requests[req_id].suspect_from is None or pos < self.requests[req_id].suspect_from}
         if unexcused:
-            raise KVMismatch(f"attention read wrong KV (request -> blocks): {unexcused}")
+            raise KVMismatch("attention read wrong KV (request -> first wrong token -> blocks): " + ", ".join(
+                f"{req_id} -> {pos} -> {self.requests[req_id].block_ids[pos // BLOCK_SIZE:]}"
+                for req_id, pos in unexcused.items()))
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for req_id in req_ids:
             r = self.requests[req_id]
-            start = r.num_computed_tokens
             r.num_computed_tokens += so.num_scheduled_tokens[req_id]
-            failed = bool(set(r.block_ids[:math.ceil(start / BLOCK_SIZE)]) & invalid)
-            if r.num_computed_tokens >= len(r.token_ids) and not failed:  # (a partial prefill samples nothing)
+            if r.num_computed_tokens >= len(r.token_ids) and r.suspect_from is None:  # (partial prefills: none)
                 r.token_ids.append(sampled_token(r.seeds_through(len(r.token_ids))[-1]))
                 sampled.append([r.token_ids[-1]])
             else:
@@ -446,6 +472,9 @@ class RealEngine:
         tier_dir: the file tier's directory (shared by the two halves, as by two processes).
         num_blocks: the KV pool, blocks (``num_blocks - 1`` usable: block 0 is vLLM's null block).
         scatter: loads read straight into the KV cache (``False``: through the transfer banks).
+        overlap: asynchronous scheduling, vLLM's default on GPUs (vLLM-CPU turns it off): ``AsyncScheduler``, and
+            ``EngineCore.step_with_batch_queue``'s order, where step N + 1 is scheduled (and here, run) before the
+            output of step N is processed (``core.py`` L698-790).
         **config: :func:`make_vllm_config` arguments and Range keys (``load_mode``, ``save_mode``, ...).
 
     Attributes:
@@ -455,13 +484,16 @@ class RealEngine:
             for requests admitted for the first time and for preempted ones.
     """
 
-    def __init__(self, tier_dir: Path, *, num_blocks: int = 64, scatter: bool = True, **config: Any) -> None:
+    def __init__(self, tier_dir: Path, *, num_blocks: int = 64, scatter: bool = True, overlap: bool = False,
+                 **config: Any) -> None:
         register()  # (the plugin vLLM would load: RangeConnector in KVConnectorFactory)
         self.num_blocks = num_blocks
         self.vllm_config = make_vllm_config(tier_dir, **config)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.vllm_config.scheduler_config.async_scheduling = overlap
         kv_cache_config = make_kv_cache_config(num_blocks)
-        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
+        scheduler_cls = AsyncScheduler if overlap else Scheduler
+        self.scheduler = scheduler_cls(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=BLOCK_SIZE, log_stats=True)
         open_backends = range_connector.spec.open_shard_backends
@@ -476,6 +508,8 @@ class RealEngine:
             self.worker_connector = RangeConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         self.runner = FakeModelRunner(self.worker_connector, num_blocks, [b.reads for b in self.backends])
         self.aggregator = KVOutputAggregator.from_connector(self.worker_connector, world_size=1)
+        self.batch_queue_size = self.vllm_config.max_concurrent_batches
+        self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.step_idx = 0
         self.hook_log: list[HookCall] = []
         self.freed: Counter[str] = Counter()
@@ -561,15 +595,25 @@ class RealEngine:
         """A client abort: ``finish_requests(..., FINISHED_ABORTED)`` (between steps or in the middle of one)."""
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
-    def step(self, *, abort_after_schedule: Sequence[str] = ()) -> StepRecord:
-        """``EngineCore.step``: schedule, run the worker, update from its output. ``abort_after_schedule``: requests
-        aborted while the step runs (after ``schedule()``, before ``update_from_output()``)."""
+    def step(self, *, abort_after_schedule: Sequence[str] = ()) -> StepRecord | None:
+        """``EngineCore.step`` (or, with ``overlap``, ``step_with_batch_queue``): schedule, run the worker, update
+        from its output. ``abort_after_schedule``: requests aborted while the step runs (after ``schedule()``,
+        before ``update_from_output()``). Returns what was updated (``None``: with ``overlap``, a step was scheduled
+        and run, and no output was processed)."""
         self.step_idx += 1
-        so = self.scheduler.schedule()
-        if abort_after_schedule:
-            self.abort(*abort_after_schedule)
-        output = self.aggregator.aggregate([self.runner.execute_model(so)])
-        assert output is not None
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            if abort_after_schedule:
+                self.abort(*abort_after_schedule)
+            output = self.aggregator.aggregate([self.runner.execute_model(so)])
+            assert output is not None
+            self.batch_queue.appendleft((so, output))
+            if len(self.batch_queue) < self.batch_queue_size and (
+                    so.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
+                return None
+        if not self.batch_queue:
+            return None
+        so, output = self.batch_queue.pop()
         engine_outputs = self.scheduler.update_from_output(so, output)
         finished = {}
         for eco in engine_outputs.values():
@@ -584,13 +628,16 @@ class RealEngine:
         return StepRecord(self.step_idx, so, output.kv_connector_output, finished)
 
     def run(self, until: Callable[[], bool] | None = None, max_steps: int = 300) -> list[StepRecord]:
-        """Step until ``until()`` holds (default: until vLLM holds no request)."""
-        done = until or (lambda: not self.scheduler.has_requests())
+        """Step until ``until()`` holds (default: until vLLM holds no request and no step is in flight)."""
+        done = until or (lambda: not self.scheduler.has_requests() and not self.batch_queue)
         records = []
-        while not done():
-            assert len(records) < max_steps, f"not done after {max_steps} steps"
-            records.append(self.step())
-        return records
+        for _ in range(max_steps):
+            if done():
+                return records
+            rec = self.step()
+            if rec is not None:
+                records.append(rec)
+        raise AssertionError(f"not done after {max_steps} steps")
 
     def produce(self, req_id: str, prompt_token_ids: list[int]) -> None:
         """Run a request to its end, so that its prompt's full chunks are stored (and written, with async saves)."""

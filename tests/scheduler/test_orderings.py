@@ -21,7 +21,7 @@ from range_connector.metrics import LoadTally
 from range_connector.scheduler.planning import scheduled_progress
 from range_connector.worker.loads import LoadJob
 from range_connector.worker.saves import StripeSaver
-from tests.scheduler.real_scheduler import WIDE_S, RealEngine, prompt
+from tests.scheduler.real_scheduler import WIDE_S, KVMismatch, RealEngine, prompt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,7 +90,7 @@ def test_request_finished_before_the_connector_output_of_the_same_step_catches_t
         _finish_in_the_loading_step(engine(load_mode="pipelined"), "stops")
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "issue 15 items 2-3: a producer's kv_transfer_params are built in request_finished, which vLLM calls before the "
     "connector output of the same step (scheduler.py L2230 before L2330), from the saves the scheduler half planned "
     "(Handoff.announcement reads RequestState.num_saved_chunks / tail_saved), not from what the workers reported "
@@ -284,3 +284,38 @@ def test_delayed_free_keeps_blocks_until_finished_sending_catches_the_naive_orde
     monkeypatch.setattr(StripeSaver, "save", save_when_written)
     with pytest.raises(AssertionError, match="wrong KV"):
         _free_then_reuse(eng, "async")
+
+
+# ---------------------------------------------------------------------------------------------------- 5
+@pytest.mark.parametrize("overlap", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, raises=KVMismatch, reason=(
+        "with asynchronous scheduling (vLLM's default on GPUs) step N + 1 is scheduled, and run, before vLLM "
+        "processes step N's output: the chunks R computes in N + 1 on top of the load that failed in N are saved "
+        "(the scheduler half planned them in build_connector_meta before update_connector_output told it of the "
+        "failure, and the worker forgets its failed loads at every start_load), with valid checksums, and served "
+        "to later requests; the fix belongs in scheduler/facade.py (no save for a request whose load is not "
+        "settled yet) or worker/facade.py")))], ids=["sync-scheduling", "async-scheduling"])
+def test_load_failure_reported_after_the_next_step_was_scheduled(engine, overlap: bool) -> None:
+    """R's load fails (a transient tier error); vLLM rewinds R and recomputes it. With asynchronous scheduling the
+    step after the failing one was scheduled before vLLM knew, and computed R's next tokens on top of the failed
+    KV. R is aborted after recomputing 192 tokens, so the chunk computed on top of the failure (tokens 192-223)
+    was not written again from good KV: no stored chunk may hold that KV. Then S loads R's prompt."""
+    eng = engine(load_mode="pipelined", overlap=overlap, max_num_batched_tokens=64)
+    x = _stored_prefix(eng, 41)
+    r_prompt = x + prompt(160, 43)
+    eng.gate.fail_reads = 1  # R's load fails; the tickets stay (the tier is only unreachable for a moment)
+    eng.add("R", r_prompt, max_tokens=2)
+    rewound = [False]
+
+    def recomputed_192() -> bool:
+        r = eng.request("R")
+        failed = eng.range.tally.counts["failed_tokens"] == STORED_TOKENS
+        rewound[0] = rewound[0] or (failed and r.num_computed_tokens < STORED_TOKENS)
+        return rewound[0] and r.num_computed_tokens >= 192
+
+    eng.run(until=recomputed_192)
+    eng.abort("R")
+    eng.add("S", r_prompt, max_tokens=1)
+    eng.run()  # S loads the stored prefix of R's prompt; attention checks every byte of it
+    eng.assert_settled()
