@@ -110,13 +110,13 @@ class FakeModelRunner:
     Args:
         connector: Range's connector in the worker role.
         num_blocks: blocks of the KV cache.
+        reads_held: whether a read is held at the tier (see :attr:`drain_async_loads`).
 
     Attributes:
         kv: ``{layer_name: [num_blocks, num_kv_heads, block_size, 2 * head_size]}`` bf16 views of one layer-major
             buffer (what vLLM's CPU attention registers); unwritten blocks hold noise.
         drain_async_loads: before ``get_finished``, wait for the worker's asynchronous loads unless a read is held
             at the tier, so that every run takes the same steps.
-        reads_held: whether a read is held at the tier (see :attr:`drain_async_loads`).
     """
 
     def __init__(self, connector: RangeConnector, num_blocks: int,
