@@ -9,7 +9,9 @@ external hits). Each scenario also runs once with the naive handling of its orde
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -272,14 +274,24 @@ def test_delayed_free_keeps_blocks_until_finished_sending(engine, save_mode: str
 def test_delayed_free_keeps_blocks_until_finished_sending_catches_the_naive_ordering(engine, monkeypatch) -> None:
     eng = engine(save_mode="async", num_blocks=16)
     valve = eng.gate.writes
+    real_save = StripeSaver.save
+    waits: list[Future] = []  # (the saver's pending set holds them weakly)
 
-    def save_when_written(self: StripeSaver, chunks, context) -> None:
+    def save_when_written(self: StripeSaver, chunks, context, *args, **kwargs) -> None:
         # Naive: the background writer reads the blocks when it writes them, after the step (and after the free).
+        done: Future = Future()
+
         def later() -> None:
-            valve.pass_through()
-            stripes = [(s, b, chunks, self._gather_stripe(s, chunks, context)) for s, b in enumerate(self.backends)]
-            self._write_stripes(stripes, [h for h, _ in chunks], 0, context)
-        self._pending.add(self._thread.submit(later))
+            valve.pass_through()  # the write's turn comes
+            before = set(self._pending)
+            real_save(self, chunks, context, *args, **kwargs)  # copies the blocks out now, then queues the write
+            for write in set(self._pending) - before:
+                write.result()
+            done.set_result(None)
+
+        threading.Thread(target=later, daemon=True).start()
+        waits.append(done)
+        self._pending.add(done)
 
     monkeypatch.setattr(StripeSaver, "save", save_when_written)
     with pytest.raises(AssertionError, match="wrong KV"):
