@@ -15,8 +15,9 @@ Three families (``kind``) and two sizes (``size``) are offered:
 * ``hybrid``: Granite 4 (``GraniteMoeHybridForCausalLM``), Mamba2 layers and
   grouped-query attention layers alternating, dense MLPs (no experts); ``tiny``
   only. The smallest hybrid that vLLM 0.32 registers, transformers saves and
-  vLLM's CPU Mamba2 kernels run (Bamba is no longer in vLLM; Jamba needs Mamba1
-  and MoE, NemotronH's config names differ between the two libraries).
+  vLLM's CPU Mamba2 kernels run (Bamba is no longer in vLLM 0.32; Jamba needs
+  Mamba1 and MoE; NemotronH was not tried: transformers 5 saves
+  ``layers_block_type`` where vLLM's model reads ``hybrid_override_pattern``).
 * ``tiny``: 4 layers, for fast functional tests.
 * ``bench``: 32 layers whose KV cache per token matches real models (128 KiB for
   ``gqa`` like an 8B Llama, 36 KiB for ``mla``) while every other width stays
