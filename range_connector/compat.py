@@ -38,18 +38,70 @@ class AttentionGroup:
     is_mla: bool
 
 
+# ------------------------------------------------------------------------------------ models with recurrent state
+# vLLM 0.32 keeps Mamba-type layers' state (Mamba1/2, linear attention, GDN, short conv) in ``MambaSpec`` KV-cache
+# groups: one state per request, overwritten as the request advances, beside the attention groups' per-token blocks.
+# config/vllm.py:2170-2192 turns the hybrid KV-cache manager off for a connector that is not ``SupportsHMA`` (Range
+# is not; the warning at line 2179), and then, in the engine core after the model is loaded, kv_cache_utils.py:2174
+# -> 1813 -> 1760 (``unify_hybrid_kv_cache_specs``) fails a hybrid model with "Failed to promote local KV cache specs
+# to one unified type." before any connector is built. Range refuses such models first, from the connector's
+# ``get_required_kvcache_layout``, which v1/engine/core.py:296 reaches just before (through
+# v1/attention/backends/utils.py:335, skipped only when ``VLLM_KV_CACHE_LAYOUT`` is set). docs/architecture.md,
+# "Models with recurrent state".
+
+#: Why Range refuses models with recurrent state, and what to do instead (the tail of the start-up error).
+RECURRENT_STATE_REASON = (
+    "Range stores attention KV blocks by token prefix and cannot restore the recurrent state at a hit boundary, so "
+    "a reused prefix would continue from the wrong state and give wrong tokens (cf. LMCache#2845). Run this model "
+    "without RangeConnector in --kv-transfer-config, or use Range with a full-attention model"
+)
+
+
+def refuse_recurrent_state(vllm_config: VllmConfig) -> None:
+    """Refuse a model whose layers keep recurrent state (hybrid attention + Mamba-type models, attention-free SSMs).
+
+    Reads ``model_config.is_hybrid`` (False for a hybrid architecture configured with attention layers only, e.g.
+    granite-4.0-micro) and ``is_attention_free``/``has_inner_state``. Sliding-window models pass: with the hybrid
+    manager off, vLLM allocates their windowed layers as full attention, one group that Range serves.
+
+    Raises:
+        ConfigError: names ``kv_connector``, the architecture, its layer kinds and KV-cache group kinds, the reason
+            (:data:`RECURRENT_STATE_REASON`) and what to do.
+    """
+    mc = vllm_config.model_config
+    if mc is None:
+        return
+    hybrid = bool(mc.is_hybrid)
+    if not hybrid and not (mc.is_attention_free and mc.has_inner_state):
+        return
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    layer_types = getattr(hf, "layer_types", None) or getattr(hf, "layers_block_type", None)
+    layers = ""
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        counts = {kind: list(layer_types).count(kind) for kind in dict.fromkeys(layer_types)}
+        layers = " (layer_types: " + ", ".join(f"{n} x {kind}" for kind, n in counts.items()) + ")"
+    kinds = "attention KV and per-request recurrent state (MambaSpec)" if hybrid else "recurrent state only (MambaSpec)"
+    what = "a hybrid model" if hybrid else "a state-space model"
+    raise ConfigError("kv_connector", f"RangeConnector cannot serve {mc.architecture}: it is {what}{layers}, so its "
+                                      f"KV-cache groups hold {kinds}. {RECURRENT_STATE_REASON}.")
+
+
 def attention_group(kv_cache_config: KVCacheConfig) -> AttentionGroup:
     """Describe the one full-attention KV-cache group of the engine.
 
     Raises:
-        ConfigError: the model has several KV-cache groups (hybrid or sliding-window models), which this version
-            of the connector does not serve.
+        ConfigError: the model has several KV-cache groups (hybrid or sliding-window models with vLLM's hybrid
+            manager on), or a recurrent-state group (then the message says why: :data:`RECURRENT_STATE_REASON`);
+            this version of the connector serves neither.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
     groups = [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "is_eagle_group", False)]
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
         kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+        if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
+            raise ConfigError("kv_connector", f"RangeConnector cannot serve a model with recurrent state: its "
+                                              f"KV-cache groups are {kinds}. {RECURRENT_STATE_REASON}.")
         raise ConfigError("kv_connector", f"RangeConnector serves one full-attention KV-cache group, got {kinds}")
     spec = groups[0].kv_cache_spec
     fields = (

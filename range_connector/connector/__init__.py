@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from range_connector import compat
 from range_connector.connector.stats import RangeConnectorStats, RangePromMetrics
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata
 from range_connector.metrics import stats_delta
@@ -143,6 +144,20 @@ class RangeConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> RangePromMetrics:
         return RangePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """No layout of its own (None); first refuses models with recurrent state.
+
+        vLLM 0.32 calls this in the engine core (``resolve_kv_cache_layout``, v1/engine/core.py:296) just before it
+        groups the KV cache, where a hybrid model would fail with vLLM's own "Failed to promote local KV cache specs"
+        (the connector is built only afterwards): the earliest hook of Range that sees the config.
+
+        Raises:
+            ConfigError: the model keeps recurrent state (:func:`~range_connector.compat.refuse_recurrent_state`).
+        """
+        compat.refuse_recurrent_state(vllm_config)
+        return None
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -6,12 +6,18 @@ any checkpoint: a ``config.json``, random bf16 weights saved as safetensors and
 a byte-level BPE tokenizer trained on English text from the Python standard
 library (``pydoc_data.topics``). Builds are deterministic and cached.
 
-Two families (``kind``) and two sizes (``size``) are offered:
+Three families (``kind``) and two sizes (``size``) are offered:
 
 * ``gqa``: Llama (``LlamaForCausalLM``), dense attention with grouped KV heads.
 * ``mla``: DeepSeek-V2 (``DeepseekV2ForCausalLM``), multi-head latent attention
   with the 576-wide latent (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64), the
   only width the vLLM CPU MLA backends accept. All MLPs are dense (no MoE).
+* ``hybrid``: Granite 4 (``GraniteMoeHybridForCausalLM``), Mamba2 layers and
+  grouped-query attention layers alternating, dense MLPs (no experts); ``tiny``
+  only. The smallest hybrid that vLLM 0.32 registers, transformers saves and
+  vLLM's CPU Mamba2 kernels run (Bamba is no longer in vLLM 0.32; Jamba needs
+  Mamba1 and MoE; NemotronH was not tried: transformers 5 saves
+  ``layers_block_type`` where vLLM's model reads ``hybrid_override_pattern``).
 * ``tiny``: 4 layers, for fast functional tests.
 * ``bench``: 32 layers whose KV cache per token matches real models (128 KiB for
   ``gqa`` like an 8B Llama, 36 KiB for ``mla``) while every other width stays
@@ -23,6 +29,10 @@ chunked prefill and prefix caching. vLLM's CPU ``rotary_embedding`` op mishandle
 3-D ``[tokens, heads, dim]`` inputs, which DeepSeek-V2 passes (``q_pe``, ``k_pe``):
 unless every vLLM process patches it, ``mla`` outputs are wrong and depend on the
 other requests of the batch. Llama passes 2-D tensors and matches transformers.
+The ``hybrid`` model serves on the CPU engine only with prefix caching off
+(``enable_prefix_caching=False``): with it on, vLLM's Mamba ``align`` cache mode
+asks the CPU Mamba2 scan for per-chunk states it does not return, and the first
+prompt longer than one block fails (``IndexError`` in ``mamba_mixer2.py``).
 
 Example:
     ``python -m range_connector.testing.tiny_models --kind gqa --size tiny`` prints the
@@ -40,7 +50,7 @@ import shutil
 import tempfile
 from typing import Any
 
-MODEL_KINDS = ("gqa", "mla")
+MODEL_KINDS = ("gqa", "mla", "hybrid")
 MODEL_SIZES = ("tiny", "bench")
 
 #: Bump when the recipe changes in a way the spec table does not show.
@@ -57,6 +67,8 @@ _CHAT_TEMPLATE = (
 _MARKER = "range_connector_build.json"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", _MARKER)
 _BF16_BYTES = 2
+#: ``layer_types`` entries of Hugging Face configs for layers with recurrent state instead of per-token KV.
+_RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv")
 
 _COMMON: dict[str, Any] = {
     "vocab_size": _VOCAB_SIZE,
@@ -94,7 +106,16 @@ _SPECS: dict[tuple[str, str], dict[str, Any]] = {
                       "num_attention_heads": 4, "num_key_value_heads": 4},
     ("mla", "bench"): {**_MLA_COMMON, "num_hidden_layers": 32, "first_k_dense_replace": 32,
                        "num_attention_heads": 1, "num_key_value_heads": 1},
+    # Mamba2 state per request per Mamba layer: SSM [8 heads, 64, 64] fp32 (128 KiB) + conv [3, 512 + 2 * 64];
+    # vLLM pads it to one attention page and raises the attention block size to 256 tokens to fit.
+    ("hybrid", "tiny"): {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                         "position_embedding_type": "rope", "num_local_experts": 0, "shared_intermediate_size": 512,
+                         "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1,
+                         "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 256},
 }
+#: The (kind, size) pairs that exist.
+MODELS = tuple(_SPECS)
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -116,12 +137,15 @@ def model_spec(kind: str, size: str) -> dict[str, Any]:
         size: One of ``MODEL_SIZES``.
 
     Raises:
-        ValueError: If ``kind`` or ``size`` is unknown.
+        ValueError: If ``kind`` or ``size`` is unknown, or the kind has no such size (``hybrid`` is ``tiny`` only).
     """
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {MODEL_KINDS}")
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; expected one of {MODEL_SIZES}")
+    if (kind, size) not in _SPECS:
+        sizes = tuple(s for k, s in _SPECS if k == kind)
+        raise ValueError(f"model kind {kind!r} has no size {size!r}; it has {sizes}")
     return {**_COMMON, **_SPECS[(kind, size)]}
 
 
@@ -148,15 +172,15 @@ def build_model(
     once torch and transformers are imported (5-8 s from a fresh process).
 
     Args:
-        kind: ``"gqa"`` (Llama) or ``"mla"`` (DeepSeek-V2).
-        size: ``"tiny"`` (4 layers) or ``"bench"`` (32 layers, realistic KV bytes per token).
+        kind: ``"gqa"`` (Llama), ``"mla"`` (DeepSeek-V2) or ``"hybrid"`` (Granite 4: Mamba2 + attention).
+        size: ``"tiny"`` (4 layers) or ``"bench"`` (32 layers, realistic KV bytes per token; not ``hybrid``).
         cache_dir: Folder holding the built models; defaults to ``default_cache_dir()``.
 
     Returns:
         The model directory, loadable by vLLM and ``transformers``.
 
     Raises:
-        ValueError: If ``kind`` or ``size`` is unknown.
+        ValueError: If ``kind`` or ``size`` is unknown, or the kind has no such size.
         filelock.Timeout: If another process holds the build lock for more than 10 minutes.
         OSError: If the cache folder cannot be written.
     """
@@ -191,6 +215,8 @@ def kv_bytes_per_token(model_dir: str | os.PathLike[str]) -> int:
 
     GQA: ``2 (K and V) * layers * kv_heads * head_dim * 2 bytes``.
     MLA: ``layers * (kv_lora_rank + qk_rope_head_dim) * 2 bytes``.
+    With a ``layer_types`` list, Mamba-type layers (``_RECURRENT_LAYER_TYPES``) do not count: they keep one state
+    per request, not per token.
 
     Args:
         model_dir: A model directory holding a ``config.json``.
@@ -201,6 +227,8 @@ def kv_bytes_per_token(model_dir: str | os.PathLike[str]) -> int:
     """
     cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
     layers = int(cfg["num_hidden_layers"])
+    if isinstance(cfg.get("layer_types"), list):
+        layers = sum(kind not in _RECURRENT_LAYER_TYPES for kind in cfg["layer_types"])
     if cfg.get("kv_lora_rank"):
         return layers * (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * _BF16_BYTES
     heads = int(cfg["num_attention_heads"])
@@ -287,11 +315,20 @@ def _write_model(out: pathlib.Path, kind: str, size: str) -> None:
     """Write config, random bf16 weights, tokenizer and the completion marker into ``out``."""
     import torch
     import transformers
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        GraniteMoeHybridConfig,
+        GraniteMoeHybridForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     spec = model_spec(kind, size)
     if kind == "gqa":
         config_cls, model_cls = LlamaConfig, LlamaForCausalLM
+    elif kind == "hybrid":
+        config_cls, model_cls = GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
     else:
         config_cls, model_cls = DeepseekV2Config, DeepseekV2ForCausalLM
     config = config_cls(**spec, dtype="bfloat16")

@@ -53,3 +53,28 @@ def run_engine(tmp_dir: Path, name: str, spec: dict, *, env: dict | None = None)
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
         raise AssertionError(f"engine run {name} failed (rc={proc.returncode}); log {log_path}:\n{tail}")
     return json.loads(out_path.read_text())["results"]
+
+
+def run_engine_expecting_failure(tmp_dir: Path, name: str, spec: dict, *, env: dict | None = None,
+                                 timeout_s: float = ENGINE_TIMEOUT_S) -> str:
+    """Start one fresh engine process that must fail (a start-up refusal); return its whole log.
+
+    Raises:
+        AssertionError: the engine process succeeded (its log tail is in the message).
+        subprocess.TimeoutExpired: it ran past ``timeout_s`` seconds.
+    """
+    spec_path = tmp_dir / f"{name}.spec.json"
+    out_path = tmp_dir / f"{name}.out.json"
+    log_path = tmp_dir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    full_env = dict(os.environ)
+    full_env.setdefault("VLLM_CACHE_ROOT", str(tmp_dir / "vllm-cache"))
+    full_env.update(env or {})
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, str(HARNESS), str(spec_path), str(out_path)], stdout=log,
+                              stderr=subprocess.STDOUT, env=full_env, timeout=timeout_s)
+    text = log_path.read_text(errors="replace")
+    if proc.returncode == 0:
+        tail = "\n".join(text.splitlines()[-40:])
+        raise AssertionError(f"engine run {name} was expected to fail but succeeded; log {log_path}:\n{tail}")
+    return text

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from range_connector.testing import tiny_models
-from range_connector.testing.tiny_models import MODEL_KINDS, MODEL_SIZES, build_model, kv_bytes_per_token
+from range_connector.testing.tiny_models import MODEL_KINDS, MODELS, build_model, kv_bytes_per_token
 
 # Expected architecture of each model: (architecture, layers, KV bytes per token in bf16).
 EXPECTED = {
@@ -18,8 +18,9 @@ EXPECTED = {
     ("gqa", "bench"): ("LlamaForCausalLM", 32, 131072),  # 128 KiB, like an 8B Llama
     ("mla", "tiny"): ("DeepseekV2ForCausalLM", 4, 4 * 576 * 2),  # 4.5 KiB
     ("mla", "bench"): ("DeepseekV2ForCausalLM", 32, 36864),  # 36 KiB
+    ("hybrid", "tiny"): ("GraniteMoeHybridForCausalLM", 4, 2 * 2 * 2 * 64 * 2),  # 1 KiB: 2 of 4 layers attention
 }
-ALL_MODELS = [(k, s) for k in MODEL_KINDS for s in MODEL_SIZES]
+ALL_MODELS = list(MODELS)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def built(cache_dir: pathlib.Path) -> dict[tuple[str, str], tuple[pathlib.Path, float]]:
-    """Build the four models once for the module; value: (path, seconds the build took)."""
+    """Build every model once for the module; value: (path, seconds the build took)."""
     out = {}
     for kind, size in ALL_MODELS:
         t0 = time.perf_counter()
@@ -56,6 +57,10 @@ def test_builds_fast_with_intended_sizes(built, kind: str, size: str) -> None:
     if kind == "mla":
         assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)  # the 576-wide latent
         assert cfg["first_k_dense_replace"] == layers  # dense MLPs only
+    elif kind == "hybrid":
+        assert cfg["layer_types"] == ["linear_attention", "full_attention"] * 2  # Mamba2, attention, ...
+        assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2)
+        assert (cfg["num_local_experts"], cfg["shared_intermediate_size"]) == (0, 512)  # dense MLPs only
     elif size == "tiny":
         assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 64)
     else:
@@ -142,7 +147,7 @@ def test_incomplete_directory_is_rebuilt(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("kind", "size"), [("llama", "tiny"), ("gqa", "huge")])
+@pytest.mark.parametrize(("kind", "size"), [("llama", "tiny"), ("gqa", "huge"), ("hybrid", "bench")])
 def test_bad_kind_or_size_raises(tmp_path: pathlib.Path, kind: str, size: str) -> None:
     bad = kind if kind not in MODEL_KINDS else size
     with pytest.raises(ValueError, match=bad):
