@@ -92,11 +92,6 @@ def test_request_finished_before_the_connector_output_of_the_same_step_catches_t
         _finish_in_the_loading_step(engine(load_mode="pipelined"), "stops")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 15 items 2-3: a producer's kv_transfer_params are built in request_finished, which vLLM calls before the "
-    "connector output of the same step (scheduler.py L2230 before L2330), from the saves the scheduler half planned "
-    "(Handoff.announcement reads RequestState.num_saved_chunks / tail_saved), not from what the workers reported "
-    "stored; the fix belongs in scheduler/facade.py and scheduler/handoff.py"))
 def test_a_producer_finished_before_its_save_report_announces_only_what_is_stored(engine) -> None:
     """The same ordering on a prefill engine (``kv_producer``): the request's only step computes and saves its whole
     prompt, the write fails, and vLLM finishes the request (and sends its announcement) before that step's report
