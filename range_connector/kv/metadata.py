@@ -53,6 +53,11 @@ class RequestTransfer:
             and bounded by what recomputing the tokens would cost (``None``: the config's ``load_deadline_s``).
         confirm: for saves, report the outcome of every chunk of this request (``RangeWorkerMetadata.save_results``):
             a disaggregated hand-off announces only the chunks every saving rank reported stored.
+        failures_learnt_through: for saves, the latest step (:attr:`RangeConnectorMetadata.step_idx`) whose load
+            failures of this request the scheduler had learnt when it planned the save (-1: none). A worker whose
+            load of the request failed in a later step skips the chunks from the failed one on: they were computed
+            on top of KV that never landed (with asynchronous scheduling, vLLM schedules and runs the next step
+            before it processes the output that reports the failure).
     """
 
     req_id: str
@@ -62,17 +67,20 @@ class RequestTransfer:
     mode: str = "pipelined"
     deadline_s: float | None = None
     confirm: bool = False
+    failures_learnt_through: int = -1
 
 
 @dataclass
 class RangeConnectorMetadata:
-    """Scheduler -> worker metadata of one engine step."""
+    """Scheduler -> worker metadata of one engine step (``step_idx``: its place among the steps this scheduler
+    built, from 0)."""
 
     loads: list[RequestTransfer] = field(default_factory=list)
     saves: list[RequestTransfer] = field(default_factory=list)
     #: ``[num_groups * num_shards]`` tickets of one stored chunk per probe of a refused tier
     #: (:mod:`range_connector.worker.probes`)
     probes: list[tuple[Ticket, ...]] = field(default_factory=list)
+    step_idx: int = 0
 
 
 @dataclass
@@ -95,6 +103,8 @@ class RangeWorkerMetadata:
             (``RequestTransfer.confirm``), once this worker's write of it ended: ``stored`` is whether every shard
             of this worker holds the chunk. One entry per chunk per worker; aggregating keeps every worker's entries,
             so the scheduler can count the ranks that reported a chunk stored (a rank's ``False`` makes it unstored).
+        step_idx: the step (:attr:`RangeConnectorMetadata.step_idx`) this report ends (-1: unknown): its
+            ``failed_loads`` happened in it.
     """
 
     saved: list[tuple[ChunkHash, int, tuple[Ticket, ...]]] = field(default_factory=list)
@@ -104,6 +114,7 @@ class RangeWorkerMetadata:
     load_timings: list[tuple[tuple[str, ...], int, float, bool]] = field(default_factory=list)
     probe_timings: list[tuple[int, float, bool]] = field(default_factory=list)
     save_results: list[tuple[str, int, bool]] = field(default_factory=list)
+    step_idx: int = -1
 
     def aggregate(self, other: RangeWorkerMetadata) -> RangeWorkerMetadata:
         """This worker's report merged with another worker's (vLLM aggregates them across workers).
@@ -118,4 +129,5 @@ class RangeWorkerMetadata:
                                    loaded=sorted(set(self.loaded) | set(other.loaded)),
                                    load_timings=self.load_timings + other.load_timings,
                                    probe_timings=self.probe_timings + other.probe_timings,
-                                   save_results=self.save_results + other.save_results)
+                                   save_results=self.save_results + other.save_results,
+                                   step_idx=max(self.step_idx, other.step_idx))

@@ -336,4 +336,5 @@ class RankSlice:
 
     def metadata(self, meta: Any) -> Any:
         """The step's :class:`~range_connector.kv.metadata.RangeConnectorMetadata` as this rank's worker sees it."""
-        return type(meta)(loads=[self.request(r) for r in meta.loads], saves=[self.request(r) for r in meta.saves])
+        return dataclasses.replace(meta, loads=[self.request(r) for r in meta.loads],
+                                   saves=[self.request(r) for r in meta.saves], probes=[])

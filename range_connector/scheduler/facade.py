@@ -11,6 +11,7 @@ state, load and save plans) and :mod:`~range_connector.scheduler.handoff` (disag
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,9 @@ class RangeScheduler:
         #: req_id -> tokens loaded before its load failed: vLLM reschedules such a request (an asynchronous one
         #: through the waiting queue, where it is looked up again); it is not offered the failed hit a second time
         self._load_failed_at_tokens: dict[str, int] = {}
+        #: req_id -> the latest step whose report told of a failed load of it (stamped on its saves)
+        self._failures_learnt_through: dict[str, int] = {}
+        self._step_idx = 0
         self._lookups: dict[str, LookupResult] = {}
         self._loads: list[RequestTransfer] = []
         self._requests: dict[str, RequestState] = {}
@@ -252,7 +256,8 @@ class RangeScheduler:
     def build_connector_meta(self, scheduler_output: StepSchedule) -> RangeConnectorMetadata:
         """Collect this step's loads and the saves of chunks whose tokens are computed by the end of the step."""
         self.handoff.close_open()  # (should the last step have brought no connector output)
-        meta = RangeConnectorMetadata(loads=self._loads, probes=self.admission.take_probes())
+        meta = RangeConnectorMetadata(loads=self._loads, probes=self.admission.take_probes(), step_idx=self._step_idx)
+        self._step_idx += 1
         self._loads = []
         self.admission.observe_step(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
@@ -260,6 +265,7 @@ class RangeScheduler:
             self._requests.pop(req_id, None)
             self._lookups.pop(req_id, None)
             self._load_failed_at_tokens.pop(req_id, None)
+            self._failures_learnt_through.pop(req_id, None)
             self.leases.release(req_id)
         progress = scheduled_progress(self._requests, scheduler_output)
         if self.can_save:
@@ -271,7 +277,9 @@ class RangeScheduler:
                                  already_stored=stored)
                 save = self.handoff.plan_saves(state.req_id, first, state.num_saved_chunks, save)
                 if save is not None:
-                    meta.saves.append(save)
+                    learnt = self._failures_learnt_through.get(state.req_id, -1)
+                    meta.saves.append(dataclasses.replace(save, failures_learnt_through=learnt) if learnt >= 0
+                                      else save)
         return meta
 
     def update_connector_output(self, worker_meta: RangeWorkerMetadata | None,
@@ -293,6 +301,8 @@ class RangeScheduler:
         self.handoff.learn(worker_meta.save_results)
         dropped = set(worker_meta.dropped)
         for req_id, chunk_idx in worker_meta.failed_loads:
+            self._failures_learnt_through[req_id] = max(self._failures_learnt_through.get(req_id, -1),
+                                                        worker_meta.step_idx)
             failed_at = chunk_idx * self.chunk_tokens
             self._load_failed_at_tokens[req_id] = min(self._load_failed_at_tokens.get(req_id, failed_at), failed_at)
             state = self._requests.get(req_id)
@@ -320,6 +330,7 @@ class RangeScheduler:
         self.admission.forget(req_id)
         self.handoff.forget(req_id)
         self._load_failed_at_tokens.pop(req_id, None)
+        self._failures_learnt_through.pop(req_id, None)
         self.lookup.forget(req_id)
         self.leases.release(req_id)
         return False, self.handoff.announcement(request, state, can_save=self.can_save, chunk_tokens=self.chunk_tokens)

@@ -111,7 +111,11 @@ class RangeWorker:
         self._loaded_reqs: list[str] = []
         # req_id -> first chunk whose load failed in this step: the forward computes on top of it, so nothing from
         # there on may be saved in this step (vLLM recomputes those blocks and they are saved then).
-        self._failed_from_chunk: dict[str, int] = {}
+        #: req_id -> ``(step, chunk_idx)`` of each load of it that failed here: a save planned before the scheduler
+        #: learnt of a failure (RequestTransfer.failures_learnt_through) skips the chunks from the failed one on
+        self._failures: dict[str, list[tuple[int, int]]] = {}
+        #: the step of the metadata last started (RangeConnectorMetadata.step_idx)
+        self.step_idx = -1
         self._failed_loads: list[tuple[str, int]] = []
         self._load_timings: list[tuple[tuple[str, ...], int, float, bool]] = []
         #: block ids written by loads since :meth:`take_loaded_block_log` last ran (for inspection and tests).
@@ -148,7 +152,7 @@ class RangeWorker:
         :meth:`take_failed_block_ids` (vLLM recomputes them). Never raises for a tier failure.
         """
         self._finish_step_job()
-        self._failed_from_chunk = {}
+        self.step_idx = meta.step_idx
         if meta.probes and self.tp_rank == 0:  # (one rank probes: the timing is the tier's)
             for tickets in meta.probes:
                 self._prober.submit(self._probe, tickets)
@@ -271,6 +275,8 @@ class RangeWorker:
             :meth:`take_failed_block_ids` in the same step.
         """
         self._finish_step_job()
+        for req_id in finished_req_ids:
+            self._failures.pop(req_id, None)
         out = set(self._reassembled_async)  # asynchronous loads that were assembled from pieces in start_load
         self._reassembled_async.clear()
         if self._async_jobs:
@@ -340,7 +346,7 @@ class RangeWorker:
     def _fail_from(self, req: RequestTransfer, chunk_idx: int) -> None:
         failed = [b for c in req.chunks if c.chunk_idx >= chunk_idx for b in c.block_ids]
         self._failed_block_ids.update(failed)
-        self._failed_from_chunk[req.req_id] = chunk_idx
+        self._failures.setdefault(req.req_id, []).append((self.step_idx, chunk_idx))
         self._failed_loads.append((req.req_id, chunk_idx))
         self.stats["failed_blocks"] += len(failed)
 
@@ -379,7 +385,8 @@ class RangeWorker:
         owners: list[tuple[str, int] | None] = []  # who waits for each chunk's outcome
         dropped: list[tuple[str, int] | None] = []
         for req in meta.saves:
-            failed_from = self._failed_from_chunk.get(req.req_id)
+            unknown = [c for step, c in self._failures.get(req.req_id, ()) if step > req.failures_learnt_through]
+            failed_from = min(unknown) if unknown else None
             for c in req.chunks:
                 owner = (req.req_id, c.chunk_idx) if req.confirm else None
                 if failed_from is not None and c.chunk_idx >= failed_from:
@@ -412,7 +419,8 @@ class RangeWorker:
                 or probe_timings):
             return None
         saved = self.saver.take_saved()
-        meta = RangeWorkerMetadata(saved=saved, dropped=dropped, failed_loads=self._failed_loads,
+        meta = RangeWorkerMetadata(step_idx=self.step_idx, saved=saved, dropped=dropped,
+                                   failed_loads=self._failed_loads,
                                    loaded=self._loaded_reqs, load_timings=self._load_timings,
                                    probe_timings=probe_timings, save_results=self.saver.take_results())
         self._dropped, self._failed_loads, self._loaded_reqs = [], [], []

@@ -124,6 +124,8 @@ class PcpWorkerRouter:
         meta = self.worker.build_worker_meta()
         if self._agreed_this_step:
             meta = self.exchange.worker_metadata(meta)
+            if meta is not None and meta.step_idx < 0:  # (a report made of the other ranks' failures only)
+                meta = dataclasses.replace(meta, step_idx=self.worker.step_idx)
         self._agreed_this_step = False
         return meta
 
