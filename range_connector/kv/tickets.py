@@ -3,9 +3,9 @@
 One ticket per (chunk, shard, head slice): which stripe holds the shard's slice of the chunk for the KV heads one
 tensor-parallel rank holds, where inside it, and the checksum of those bytes in every layer. A ticket is published
 under one key per head it covers (:func:`ticket_key`), so that the keys do not depend on the writer's
-tensor-parallel size (:mod:`range_connector.kv.heads`). Lookup reads the tickets of a whole prompt in one batched request per shard (``MGET`` on
-Valkey: one command whatever the number of chunks); loads then read byte ranges of stripes, never one object per
-chunk. Tickets are msgpack (never pickle) and are checked against the registered layout before use: a ticket that
+tensor-parallel size (:mod:`range_connector.kv.heads`). Lookup reads the tickets of a whole prompt in one
+batched request per shard (``MGET`` on Valkey: one command whatever the number of chunks); loads then read byte
+ranges of stripes, never one object per chunk. Tickets are msgpack (never pickle) and are checked against the registered layout before use: a ticket that
 does not fit is a miss (docs/architecture.md, principle 6).
 """
 

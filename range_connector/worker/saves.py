@@ -28,10 +28,15 @@ import xxhash
 from range_connector.backends.base import Backend, StripeWrite
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
+from range_connector.kv.heads import HeadSlice
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
-from range_connector.kv.stripes import chunk_checksum, chunk_groups, gather_layer, new_stripe_id
-from range_connector.kv.heads import HeadSlice
+from range_connector.kv.stripes import (
+    chunk_checksum,
+    chunk_groups,
+    gather_layer,
+    new_stripe_id,
+)
 from range_connector.kv.tickets import Ticket, head_keys
 from range_connector.worker.context import LoadContext
 

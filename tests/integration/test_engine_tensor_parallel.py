@@ -134,7 +134,7 @@ def test_one_ranks_slice_evicted_gives_a_shorter_hit_and_the_same_tokens(runs):
 
 
 def test_a_tp1_engine_assembles_the_tp2_producers_slices(runs):
-    tp1, ref = runs["tp1"], runs["ref"]
+    tp1 = runs["tp1"]
     assert tp1[0]["external_hits"] == 512
     assert_loaded_exactly(tp1[1]["heads"], ref_heads(runs), 512 // BLOCK)
 

@@ -23,7 +23,7 @@ from range_connector.metrics import LoadTally
 from range_connector.scheduler.planning import scheduled_progress
 from range_connector.worker.loads import LoadJob
 from range_connector.worker.saves import StripeSaver
-from tests.scheduler.real_scheduler import WIDE_S, KVMismatch, RealEngine, prompt
+from tests.scheduler.real_scheduler import WIDE_S, RealEngine, prompt
 
 pytestmark = pytest.mark.timeout(120)
 

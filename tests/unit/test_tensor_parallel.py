@@ -301,3 +301,47 @@ def test_the_namespace_and_the_shared_settings_do_not_depend_on_the_tp_size() ->
     settings = producer_settings({"kv_spec": tp1, "block_size": 128, "format_version": 2})
     assert settings["kv_spec.dtype"] == "torch.bfloat16" and settings["block_size"] == 128
     assert "kv_spec" not in settings
+
+
+def _spec_inputs(*, tp: int = 1, pp: int = 1, dcp: int = 1, local_heads: int = 1, tier: str = "valkey"):
+    """A stand-in for vLLM's config (only what ``RangeSpec.from_vllm`` reads before it opens a backend) and a real
+    KV-cache config of one full-attention group."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=local_heads, head_size=64, dtype=torch.bfloat16)
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.attn"], spec)])
+    servers = [f"valkey://127.0.0.1:{port}" for port in range(1, 1 + dcp)]  # (one shard per DCP rank)
+    extra = {"tiers": [{"type": tier, "servers": servers}] if tier == "valkey" else [{"type": tier}]}
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_both"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                        prefill_context_parallel_size=1, decode_context_parallel_size=dcp,
+                                        cp_kv_cache_interleave_size=1),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2, model="m", dtype="bfloat16"),
+        cache_config=SimpleNamespace(cache_dtype="auto"))
+    return vllm_config, kv_cache_config
+
+
+def test_pipeline_parallelism_is_refused_at_start_up_by_name() -> None:
+    from range_connector.spec import RangeSpec
+
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        RangeSpec.from_vllm(*_spec_inputs(tp=2, pp=2), in_worker=False)
+
+
+def test_decode_context_parallelism_with_heads_split_over_ranks_is_refused_by_name() -> None:
+    from range_connector.spec import RangeSpec
+
+    with pytest.raises(ConfigError, match="decode_context_parallel_size"):
+        RangeSpec.from_vllm(*_spec_inputs(tp=2, dcp=2), in_worker=False)
+
+
+def test_a_kv_cache_that_is_not_vllms_head_split_is_refused_by_name() -> None:
+    from range_connector.spec import RangeSpec
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        RangeSpec.from_vllm(*_spec_inputs(tp=2, local_heads=2), in_worker=False)
