@@ -34,16 +34,24 @@ ticket per (chunk, shard); a lookup reads tickets (one call per shard); a load l
 byte ranges of them into a transfer bank (one call per shard), verifies a checksum per chunk per layer and copies
 once per (layer, plane) into the KV cache; or, from a tier that can scatter (path ``direct``), reads them straight
 into the destination blocks and verifies them there.
+
+Timing: no test of this harness's users measures how long something took. A slow or frozen tier that the outcome
+depends on is *held* (:meth:`FlakyBackend.hold_reads`: its loads wait until the test releases them), so that the
+code under test can only end a wait through its own deadline; waits for background work use :func:`wait_until`
+with a wide bound (:data:`WIDE_S`) that only a hang exceeds; and probe timings, from which the cost gate decides, are
+taken on a virtual clock (:func:`instant_probes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +81,36 @@ LAYER_BLOCK_BYTES = {"dense": NUM_KV_HEADS * BLOCK * 2 * HEAD_SIZE * 2,  # bf16 
                      "mla": BLOCK * MLA_WIDTH * 2}
 NUM_PLANES = {"dense": 1, "mla": 1, "split-kv": 2}
 CHUNK_BYTES_DENSE_32 = len(LAYERS) * 2 * LAYER_BLOCK_BYTES["dense"]  # one chunk of 32 tokens, one shard
+#: how long a test waits for background work it started (a thread's read, a probe, an asynchronous load) before it
+#: fails: far beyond anything a busy machine takes, so that only a hang reaches it
+WIDE_S = 30.0
+#: the longest a held load waits for the test to release it; then it goes ahead (so code that wrongly waits for the
+#: tier gets its data, and the test sees the wrong outcome rather than a hang)
+HOLD_MAX_S = 20.0
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WIDE_S) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s`` (only a hang takes that long)."""
+    end = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < end, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.005)
+
+
+def instant_probes(monkeypatch: Any, probe_s: float = 1e-4) -> None:
+    """Background probes (``worker/probes.py``) timed on a virtual clock: every probe takes ``probe_s`` seconds,
+    however busy the machine, so what the cost gate decides from a probe's timing is fixed."""
+    import range_connector.worker.facade as worker_facade
+    from range_connector.worker.probes import probe_chunk
+
+    ticks = iter(range(1 << 62))
+    lock = threading.Lock()
+
+    def virtual() -> float:  # each reading is probe_s after the last (a probe reads it at its start and its end)
+        with lock:
+            return next(ticks) * probe_s
+
+    monkeypatch.setattr(worker_facade, "probe_chunk", functools.partial(probe_chunk, clock=virtual))
 
 
 # ---------------------------------------------------------------------------------------------------- fakes
@@ -105,6 +143,10 @@ class FlakyBackend(Backend):
             frozen server does.
         calls: calls made, by method name.
         read_batches: ``len(reads)`` of every ``read_ranges`` call.
+        loads_in_flight: load calls (``read_ranges``, ``view_stripes``) entered and not yet returned or raised.
+
+    :meth:`hold_reads` makes loads wait, before anything else they do, until :meth:`release_reads` (at most
+    :data:`HOLD_MAX_S`, then they go ahead): a tier that answers exactly when the test says, however busy the machine.
     """
 
     def __init__(self, inner: Backend, name: str = "flaky", *, views: bool = False, scatter: bool = False) -> None:
@@ -121,6 +163,18 @@ class FlakyBackend(Backend):
         self.read_hang_s: float | None = None
         self.calls: Counter[str] = Counter()
         self.read_batches: list[int] = []
+        self.loads_in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self._released: threading.Event | None = None
+
+    def hold_reads(self) -> None:
+        """Loads from now on wait for :meth:`release_reads`."""
+        self._released = threading.Event()
+
+    def release_reads(self) -> None:
+        """Held loads go ahead (and later ones are not held)."""
+        if self._released is not None:
+            self._released.set()
 
     def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
         self.calls["get_tickets"] += 1
@@ -134,7 +188,14 @@ class FlakyBackend(Backend):
             raise self.fail_write(f"{self.name}: injected write failure")
         return self.inner.write_stripe(write)
 
+    def _enter_load(self, delta: int) -> None:
+        with self._in_flight_lock:
+            self.loads_in_flight += delta
+
     def _before_load(self) -> None:
+        released = self._released
+        if released is not None:
+            released.wait(HOLD_MAX_S)
         if self.read_hang_s is not None:
             time.sleep(self.read_hang_s)
             raise BackendTimeoutError(f"{self.name}: no answer within {self.read_hang_s} s")
@@ -144,6 +205,13 @@ class FlakyBackend(Backend):
             time.sleep(self.read_delay_s)
 
     def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
+        self._enter_load(1)
+        try:
+            return self._view_stripes(stripe_ids)
+        finally:
+            self._enter_load(-1)
+
+    def _view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
         assert self.supports_views
         self.calls["view_stripes"] += 1
         self.read_batches.append(len(stripe_ids))
@@ -160,6 +228,13 @@ class FlakyBackend(Backend):
         return out
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
+        self._enter_load(1)
+        try:
+            return self._read_ranges(reads)
+        finally:
+            self._enter_load(-1)
+
+    def _read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
         self.calls["read_ranges"] += 1
         self.read_batches.append(len(reads))
         self._before_load()
@@ -538,6 +613,32 @@ def wrap(backends: Sequence[Backend], path: str = "bank") -> list[FlakyBackend]:
         if id(b) not in made:
             made[id(b)] = FlakyBackend(b, name=f"flaky-s{s}", views=path == "views", scatter=path == "direct")
     return [made[id(b)] for b in backends]
+
+
+def record_load_jobs(monkeypatch: Any) -> list[tuple[Any, float]]:
+    """Every ``LoadJob`` the worker starts from now on, with ``time.monotonic()`` read as it starts: its deadline was
+    set just before, from a reading taken after any the test took before the step, so for a load given ``d``
+    seconds ``before + d <= job.deadline <= started + d`` holds however busy the machine (what the worker decided,
+    checked without timing anything)."""
+    from range_connector.worker.loads import LoadJob
+
+    jobs: list[tuple[Any, float]] = []
+    start = LoadJob.start
+
+    def recording_start(self) -> None:  # type: ignore[no-untyped-def]
+        jobs.append((self, time.monotonic()))
+        start(self)
+
+    monkeypatch.setattr(LoadJob, "start", recording_start)
+    return jobs
+
+
+def reads_returned(engine: Engine, flaky: Sequence[FlakyBackend]) -> None:
+    """Wait until every load call the tier got has returned and the worker's reader thread has run whatever was
+    queued on it (the fills of a job that gave up end without reading): no read of an earlier load can land after."""
+    wait_until(lambda: all(f.loads_in_flight == 0 for f in flaky), "the tier's load calls returned")
+    engine.worker.reader.submit_task(lambda: None).result(timeout=WIDE_S)
+    wait_until(lambda: all(f.loads_in_flight == 0 for f in flaky), "the tier's load calls returned")
 
 
 def load_calls(flaky: Sequence[FlakyBackend], path: str) -> list[int]:
