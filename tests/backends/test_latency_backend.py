@@ -184,7 +184,7 @@ def test_call_waiting_on_a_frozen_tier_goes_ahead_when_unfrozen_before_the_deadl
         except BaseException as exc:  # reported to the test thread
             outcome.append(exc)
 
-    caller = threading.Thread(target=call)
+    caller = threading.Thread(target=call, daemon=True)
     caller.start()
     end = time.monotonic() + WIDE_S
     while clock.readings < 5 and time.monotonic() < end:  # the call is in its wait loop (it reads the clock there)
