@@ -144,6 +144,7 @@ class FlakyBackend(Backend):
         calls: calls made, by method name.
         read_batches: ``len(reads)`` of every ``read_ranges`` call.
         loads_in_flight: load calls (``read_ranges``, ``view_stripes``) entered and not yet returned or raised.
+        load_entered_s: ``time.monotonic()`` as each load call was entered (to check none started after a deadline).
 
     :meth:`hold_reads` makes loads wait, before anything else they do, until :meth:`release_reads` (at most
     :data:`HOLD_MAX_S`, then they go ahead): a tier that answers exactly when the test says, however busy the machine.
@@ -164,6 +165,7 @@ class FlakyBackend(Backend):
         self.calls: Counter[str] = Counter()
         self.read_batches: list[int] = []
         self.loads_in_flight = 0
+        self.load_entered_s: list[float] = []
         self._in_flight_lock = threading.Lock()
         self._released: threading.Event | None = None
 
@@ -191,6 +193,8 @@ class FlakyBackend(Backend):
     def _enter_load(self, delta: int) -> None:
         with self._in_flight_lock:
             self.loads_in_flight += delta
+            if delta > 0:
+                self.load_entered_s.append(time.monotonic())
 
     def _before_load(self) -> None:
         released = self._released
@@ -631,6 +635,26 @@ def record_load_jobs(monkeypatch: Any) -> list[tuple[Any, float]]:
 
     monkeypatch.setattr(LoadJob, "start", recording_start)
     return jobs
+
+
+def in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Run ``fn()`` on a daemon thread (a step that waits for a held tier, say); ``(thread, [its result])``."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def probe_timings_once_back(engine: Engine, *steps: StepResult) -> list[tuple[int, float, bool]]:
+    """The probe timings reported by ``steps`` and, until one is back, by further steps without a forward: a probe's
+    timing comes back with whichever step ends after the probe did."""
+    timings = [t for r in steps if r.worker_meta is not None for t in r.worker_meta.probe_timings]
+    end = time.monotonic() + WIDE_S
+    while not timings:
+        assert time.monotonic() < end, "the probe's timing never came back"
+        res = engine.step(forward=False)
+        timings += res.worker_meta.probe_timings if res.worker_meta is not None else []
+    return timings
 
 
 def reads_returned(engine: Engine, flaky: Sequence[FlakyBackend]) -> None:

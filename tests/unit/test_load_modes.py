@@ -27,9 +27,11 @@ from tests.unit.scheduler_worker_harness import (
     Engine,
     FakeRequest,
     changed_blocks,
+    in_background,
     instant_probes,
     live_leases,
     produce,
+    probe_timings_once_back,
     prompt_tokens,
     reads_returned,
     record_load_jobs,
@@ -72,18 +74,6 @@ def _run_until_loaded(b: Engine, req_id: str, timeout_s: float = WIDE_S):
             return res
         time.sleep(0.01)
     raise AssertionError(f"the asynchronous load of {req_id} was never reported")
-
-
-def _probe_timings_once_back(b: Engine, *steps) -> list:
-    """The probe timings reported by ``steps`` and, until one is back, by further (empty) steps: a probe's timing comes
-    back with whichever step ends after the probe did."""
-    timings = [t for r in steps if r.worker_meta is not None for t in r.worker_meta.probe_timings]
-    end = time.monotonic() + WIDE_S
-    while not timings:
-        assert time.monotonic() < end, "the probe's timing never came back"
-        res = b.step(forward=False)
-        timings += res.worker_meta.probe_timings if res.worker_meta is not None else []
-    return timings
 
 
 @pytest.mark.timeout(60)
@@ -352,7 +342,7 @@ def test_a_load_predicted_to_miss_its_deadline_is_not_started_and_the_tier_is_pr
     assert f.calls["read_ranges"] == 1  # the probe's one batched read
     assert changed_blocks(res.before, res.after_load) == set()
     b.finish("B-0")
-    assert len(_probe_timings_once_back(b, res)) == 1
+    assert len(probe_timings_once_back(b, res)) == 1
     ext, _ = b.sched.get_num_new_matched_tokens(FakeRequest("B-1", prompt), 0)
     assert ext == 128  # the probe measured a fast tier: the hit is offered again
     assert b.sched.stats["loads_not_started_late"] == 1
@@ -451,7 +441,7 @@ def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast(mo
     assert [f.calls["read_ranges"] for f in flaky] == [1, 1]  # one batched read per shard
     assert changed_blocks(res.before, res.after_load) == set()  # the probe wrote nothing into the KV cache
     b.finish("B-0")
-    timings = _probe_timings_once_back(b, res)
+    timings = probe_timings_once_back(b, res)
     assert len(timings) == 1
     per_shard, seconds, complete = timings[0]
     assert complete and per_shard == b.chunk_tokens // BLOCK // 2 * LAYER_BLOCK_BYTES["dense"] * len(LAYERS)
@@ -513,14 +503,6 @@ def _slow(backends, *, delay_s: float = 0.0, write_bandwidth: float = 0.0, froze
     return [LatencyBackend(b, control, timeout_s=5.0, sleep=lambda s: None) for b in backends], control, clock
 
 
-def _in_background(fn):
-    """Run ``fn()`` on a daemon thread; ``(thread, result list)``."""
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-    thread.start()
-    return thread, out
-
-
 @pytest.mark.timeout(60)
 def test_async_saves_do_not_hold_the_step_and_are_reported_once_written() -> None:
     # The tier stops answering (frozen, on a clock that never reaches the calls' deadline): a synchronous save holds
@@ -534,7 +516,7 @@ def test_async_saves_do_not_hold_the_step_and_are_reported_once_written() -> Non
         assert eng.admit(FakeRequest(f"{mode}-0", prompt)) == 0
         control.update(frozen=True)
         readings = clock.readings
-        stepper, out = _in_background(eng.step)
+        stepper, out = in_background(eng.step)
         # The step's save reached the tier and waits there (it reads the clock while it waits), nothing written yet.
         wait_until(lambda: clock.readings >= readings + 3, "the save reached the frozen tier")
         assert inner[0].used_bytes() == 0
@@ -586,7 +568,7 @@ def test_a_slow_lookup_lets_the_engine_run_other_requests() -> None:
     slow, control, _ = _slow(inner, frozen=True)
     b = Engine(slow, seed=92, lookup_wait_s=0.0)
     req = FakeRequest("B-0", prompt)
-    asker, out = _in_background(lambda: b.sched.get_num_new_matched_tokens(req, 0))
+    asker, out = in_background(lambda: b.sched.get_num_new_matched_tokens(req, 0))
     asker.join(WIDE_S)  # did not wait for the tier, which has not answered
     assert not asker.is_alive() and out == [(None, False)]
     assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # asked again: still running
