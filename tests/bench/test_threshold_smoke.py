@@ -32,11 +32,11 @@ SCRIPT = REPO / "bench" / "threshold.py"
 pytestmark = pytest.mark.engine
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(1260)
 def test_threshold_smoke(tmp_path: Path) -> None:
     out = tmp_path / "threshold.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, timeout=400, cwd=str(REPO))
+                          text=True, timeout=1200, cwd=str(REPO))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     doc = json.loads(out.read_text())
 

@@ -50,6 +50,7 @@ import math
 import random
 import threading
 import time
+import types
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -87,6 +88,33 @@ WIDE_S = 30.0
 #: the longest a held load waits for the test to release it; then it goes ahead (so code that wrongly waits for the
 #: tier gets its data, and the test sees the wrong outcome rather than a hang)
 HOLD_MAX_S = 20.0
+
+
+class VirtualClock:
+    """Monotonic seconds that move only when the test says (:meth:`advance`): pass it as a component's ``clock``
+    (``MemoryBackend(clock=...)``: lease expiry) and expire things without sleeping."""
+
+    def __init__(self, start_s: float = 1000.0) -> None:
+        self.now_s = start_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+def virtual_monotonic(monkeypatch: Any, *modules: Any) -> VirtualClock:
+    """A :class:`VirtualClock` as ``time.monotonic`` of the given modules (as the modules see it: their ``time``
+    name is replaced by a namespace whose ``monotonic`` is the clock, everything else the real ``time``), for code
+    that reads ``time.monotonic()`` directly and takes no clock, such as the back-off windows after a tier error
+    (``scheduler/lookup.py``, ``worker/saves.py``). The modules themselves are untouched."""
+    clock = VirtualClock()
+    fake_time = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    fake_time.monotonic = clock
+    for module in modules:
+        monkeypatch.setattr(module, "time", fake_time)
+    return clock
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WIDE_S) -> None:
