@@ -12,7 +12,6 @@ a virtual clock (the harness's module docstring says how).
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -268,7 +267,8 @@ def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: st
     slow = wrap(inner)
     # (a tier call deadline far past the hold: the engine's backstop for an asynchronous load that overran its own
     # deadline, deadline + timeout_s, cannot be what ends this one)
-    b = Engine(slow, seed=65, load_mode=mode, min_load_deadline_s=0.05, backend_timeout_s=WIDE_S)  # type: ignore[arg-type]
+    b = Engine(slow, seed=65, load_mode=mode, min_load_deadline_s=0.05,  # type: ignore[arg-type]
+               backend_timeout_s=WIDE_S)
     recompute_s = 0.4
     b.sched.gate.rates = RateEstimator(PrefillRate.constant(128 / recompute_s))  # 128 tokens take 0.4 s to prefill
     # The tier was measured slowish (0.3 s per MiB: this load predicted at 0.27 s, so it is started; a tier predicted
