@@ -37,22 +37,20 @@ into the destination blocks and verifies them there.
 
 Timing: no test of this harness's users measures how long something took. A slow or frozen tier that the outcome
 depends on is *held* (:meth:`FlakyBackend.hold_reads`: its loads wait until the test releases them), so that the
-code under test can only end a wait through its own deadline; waits for background work use :func:`wait_until`
-with a wide bound (:data:`WIDE_S`) that only a hang exceeds; and probe timings, from which the cost gate decides, are
-taken on a virtual clock (:func:`instant_probes`).
+code under test can only end a wait through its own deadline; waits for background work have a wide bound that only
+a hang exceeds; and probe timings, from which the cost gate decides, are taken on a virtual clock. The helpers for
+all of this are in :mod:`tests.unit.clocks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import random
 import threading
 import time
-import types
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +66,7 @@ from range_connector.kv.namespace import ChunkHash, prefix_hash_chain
 from range_connector.kv.tickets import Ticket, ticket_key
 from range_connector.scheduler.facade import RangeScheduler
 from range_connector.worker.facade import RangeWorker
+from tests.unit.clocks import HOLD_MAX_S
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -82,63 +81,7 @@ LAYER_BLOCK_BYTES = {"dense": NUM_KV_HEADS * BLOCK * 2 * HEAD_SIZE * 2,  # bf16 
                      "mla": BLOCK * MLA_WIDTH * 2}
 NUM_PLANES = {"dense": 1, "mla": 1, "split-kv": 2}
 CHUNK_BYTES_DENSE_32 = len(LAYERS) * 2 * LAYER_BLOCK_BYTES["dense"]  # one chunk of 32 tokens, one shard
-#: how long a test waits for background work it started (a thread's read, a probe, an asynchronous load) before it
-#: fails: far beyond anything a busy machine takes, so that only a hang reaches it
-WIDE_S = 30.0
-#: the longest a held load waits for the test to release it; then it goes ahead (so code that wrongly waits for the
-#: tier gets its data, and the test sees the wrong outcome rather than a hang)
-HOLD_MAX_S = 20.0
 
-
-class VirtualClock:
-    """Monotonic seconds that move only when the test says (:meth:`advance`): pass it as a component's ``clock``
-    (``MemoryBackend(clock=...)``: lease expiry) and expire things without sleeping."""
-
-    def __init__(self, start_s: float = 1000.0) -> None:
-        self.now_s = start_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: float) -> None:
-        self.now_s += seconds
-
-
-def virtual_monotonic(monkeypatch: Any, *modules: Any) -> VirtualClock:
-    """A :class:`VirtualClock` as ``time.monotonic`` of the given modules (as the modules see it: their ``time``
-    name is replaced by a namespace whose ``monotonic`` is the clock, everything else the real ``time``), for code
-    that reads ``time.monotonic()`` directly and takes no clock, such as the back-off windows after a tier error
-    (``scheduler/lookup.py``, ``worker/saves.py``). The modules themselves are untouched."""
-    clock = VirtualClock()
-    fake_time = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
-    fake_time.monotonic = clock
-    for module in modules:
-        monkeypatch.setattr(module, "time", fake_time)
-    return clock
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WIDE_S) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s`` (only a hang takes that long)."""
-    end = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < end, f"{what}: not within {timeout_s:g} s"
-        time.sleep(0.005)
-
-
-def instant_probes(monkeypatch: Any, probe_s: float = 1e-4) -> None:
-    """Background probes (``worker/probes.py``) timed on a virtual clock: every probe takes ``probe_s`` seconds,
-    however busy the machine, so what the cost gate decides from a probe's timing is fixed."""
-    import range_connector.worker.facade as worker_facade
-    from range_connector.worker.probes import probe_chunk
-
-    ticks = iter(range(1 << 62))
-    lock = threading.Lock()
-
-    def virtual() -> float:  # each reading is probe_s after the last (a probe reads it at its start and its end)
-        with lock:
-            return next(ticks) * probe_s
-
-    monkeypatch.setattr(worker_facade, "probe_chunk", functools.partial(probe_chunk, clock=virtual))
 
 
 # ---------------------------------------------------------------------------------------------------- fakes
@@ -645,52 +588,6 @@ def wrap(backends: Sequence[Backend], path: str = "bank") -> list[FlakyBackend]:
         if id(b) not in made:
             made[id(b)] = FlakyBackend(b, name=f"flaky-s{s}", views=path == "views", scatter=path == "direct")
     return [made[id(b)] for b in backends]
-
-
-def record_load_jobs(monkeypatch: Any) -> list[tuple[Any, float]]:
-    """Every ``LoadJob`` the worker starts from now on, with ``time.monotonic()`` read as it starts: its deadline was
-    set just before, from a reading taken after any the test took before the step, so for a load given ``d``
-    seconds ``before + d <= job.deadline <= started + d`` holds however busy the machine (what the worker decided,
-    checked without timing anything)."""
-    from range_connector.worker.loads import LoadJob
-
-    jobs: list[tuple[Any, float]] = []
-    start = LoadJob.start
-
-    def recording_start(self) -> None:  # type: ignore[no-untyped-def]
-        jobs.append((self, time.monotonic()))
-        start(self)
-
-    monkeypatch.setattr(LoadJob, "start", recording_start)
-    return jobs
-
-
-def in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """Run ``fn()`` on a daemon thread (a step that waits for a held tier, say); ``(thread, [its result])``."""
-    out: list[Any] = []
-    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-    thread.start()
-    return thread, out
-
-
-def probe_timings_once_back(engine: Engine, *steps: StepResult) -> list[tuple[int, float, bool]]:
-    """The probe timings reported by ``steps`` and, until one is back, by further steps without a forward: a probe's
-    timing comes back with whichever step ends after the probe did."""
-    timings = [t for r in steps if r.worker_meta is not None for t in r.worker_meta.probe_timings]
-    end = time.monotonic() + WIDE_S
-    while not timings:
-        assert time.monotonic() < end, "the probe's timing never came back"
-        res = engine.step(forward=False)
-        timings += res.worker_meta.probe_timings if res.worker_meta is not None else []
-    return timings
-
-
-def reads_returned(engine: Engine, flaky: Sequence[FlakyBackend]) -> None:
-    """Wait until every load call the tier got has returned and the worker's reader thread has run whatever was
-    queued on it (the fills of a job that gave up end without reading): no read of an earlier load can land after."""
-    wait_until(lambda: all(f.loads_in_flight == 0 for f in flaky), "the tier's load calls returned")
-    engine.worker.reader.submit_task(lambda: None).result(timeout=WIDE_S)
-    wait_until(lambda: all(f.loads_in_flight == 0 for f in flaky), "the tier's load calls returned")
 
 
 def load_calls(flaky: Sequence[FlakyBackend], path: str) -> list[int]:

@@ -21,18 +21,16 @@ from range_connector.kv.metadata import ChunkTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE, LoadTally, tokens_per_chunk
 from range_connector.testing.processes import free_port
+from tests.unit.clocks import WIDE_S, reads_returned, wait_until
 from tests.unit.scheduler_worker_harness import (
-    WIDE_S,
     Engine,
     FakeRequest,
     flip_byte,
     mutate_stored_value,
     produce,
     prompt_tokens,
-    reads_returned,
     shard_backends,
     stored_ticket,
-    wait_until,
     wrap,
 )
 

@@ -13,23 +13,25 @@ import time
 
 import pytest
 
+from tests.unit.clocks import (
+    WIDE_S,
+    in_background,
+    instant_probes,
+    probe_timings_once_back,
+    reads_returned,
+    record_load_jobs,
+    wait_until,
+)
 from tests.unit.scheduler_worker_harness import (
     PATH_CONFIG,
-    WIDE_S,
     Engine,
     FakeRequest,
     changed_blocks,
-    in_background,
-    instant_probes,
     live_leases,
-    probe_timings_once_back,
     produce,
     prompt_tokens,
-    reads_returned,
-    record_load_jobs,
     same_block,
     shard_backends,
-    wait_until,
     wrap,
 )
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 
 import range_connector.scheduler.handoff as handoff_module
+from tests.unit.clocks import virtual_monotonic
 from tests.unit.scheduler_worker_harness import (
     Engine,
     FakeRequest,
     prompt_tokens,
     same_block,
     shard_backends,
-    virtual_monotonic,
     wrap,
 )
 

@@ -11,6 +11,7 @@ import pytest
 
 from range_connector.backends.memory import MemoryBackend
 from range_connector.errors import BackendError, BackendTimeoutError
+from tests.unit.clocks import VirtualClock
 from tests.unit.scheduler_worker_harness import (
     BLOCK,
     CHUNK_BYTES_DENSE_32,
@@ -19,7 +20,6 @@ from tests.unit.scheduler_worker_harness import (
     FakeRequest,
     FlakyBackend,
     MiB,
-    VirtualClock,
     chain,
     changed_blocks,
     live_leases,

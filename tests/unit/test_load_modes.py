@@ -17,27 +17,30 @@ import time
 import pytest
 import torch
 
+from tests.unit.clocks import (
+    WIDE_S,
+    StillClock,
+    in_background,
+    instant_probes,
+    probe_timings_once_back,
+    reads_returned,
+    record_load_jobs,
+    wait_until,
+)
 from tests.unit.scheduler_worker_harness import (
     BLOCK,
     LAYER_BLOCK_BYTES,
     LAYERS,
     PATH_CONFIG,
-    WIDE_S,
     Engine,
     FakeRequest,
     changed_blocks,
-    in_background,
-    instant_probes,
     live_leases,
     produce,
-    probe_timings_once_back,
     prompt_tokens,
-    reads_returned,
-    record_load_jobs,
     same_block,
     shard_backends,
     snapshot,
-    wait_until,
     wrap,
 )
 
@@ -482,22 +485,10 @@ def test_a_tier_that_cannot_pay_for_any_hit_is_neither_looked_up_nor_written_bet
 
 
 # ---------------------------------------------------------------------------------------------- slow tier, engine steps
-class _StillClock:
-    """A virtual clock that never moves, counting its readings: a frozen tier on it never reaches its deadline (its
-    calls wait, reading the clock, until the tier is unfrozen), and the readings show that a call is waiting."""
-
-    def __init__(self) -> None:
-        self.readings = 0
-
-    def __call__(self) -> float:
-        self.readings += 1
-        return 0.0
-
-
 def _slow(backends, *, delay_s: float = 0.0, write_bandwidth: float = 0.0, frozen: bool = False):
     from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
 
-    clock = _StillClock()
+    clock = StillClock()
     control = LatencyControl(TierLatency(delay_s=delay_s, bandwidth_bytes_per_s=write_bandwidth, frozen=frozen),
                              clock=clock)
     return [LatencyBackend(b, control, timeout_s=5.0, sleep=lambda s: None) for b in backends], control, clock

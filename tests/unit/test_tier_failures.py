@@ -13,6 +13,7 @@ import pytest
 import range_connector.scheduler.lookup as lookup_module
 import range_connector.worker.saves as saves_module
 from range_connector.errors import BackendError, BackendTimeoutError
+from tests.unit.clocks import virtual_monotonic
 from tests.unit.scheduler_worker_harness import (
     Engine,
     FakeRequest,
@@ -23,7 +24,6 @@ from tests.unit.scheduler_worker_harness import (
     saved_chunk_idxs,
     saved_hashes,
     shard_backends,
-    virtual_monotonic,
 )
 
 
