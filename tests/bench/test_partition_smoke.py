@@ -28,8 +28,11 @@ def test_partition_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
                           text=True, timeout=140, cwd=str(REPO))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    doc = json.loads(out.read_text())
+    check_partition_doc(json.loads(out.read_text()))
 
+
+def check_partition_doc(doc: dict) -> None:
+    """What the smoke run's JSON must show (apart from the run, so that it can be checked on a doctored copy)."""
     assert doc["config"]["smoke"] is True and doc["config"]["payload_bytes"] == 16 << 20
     rows = {(r["path"], r["case"]): r for r in doc["rows"]}
     cases = ["S1-partitioned", "S2-partitioned", "S2-shared", "S4-partitioned", "S4-shared"]

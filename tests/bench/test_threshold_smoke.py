@@ -38,8 +38,11 @@ def test_threshold_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
                           text=True, timeout=1200, cwd=str(REPO))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    doc = json.loads(out.read_text())
+    check_threshold_doc(json.loads(out.read_text()))
 
+
+def check_threshold_doc(doc: dict) -> None:
+    """What the smoke run's JSON must show (apart from the run, so that it can be checked on a doctored copy)."""
     cfg = doc["config"]
     assert cfg["smoke"] is True and cfg["model_size"] == "tiny"
     cal = doc["calibration"]
