@@ -90,7 +90,8 @@ def server_info(url: str) -> dict[str, float]:
 
 
 class Timeline:
-    """Start and end of every read request, by server (thread-safe; times relative to :meth:`start`)."""
+    """Start and end of every read request, by server, and the thread that made it (thread-safe; times relative to
+    :meth:`start`)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -112,7 +113,8 @@ class Timeline:
                 with self.lock:
                     self.requests.append({"server": server_idx, "start_s": t - self.t0,
                                           "end_s": time.perf_counter() - self.t0,
-                                          "bytes": sum(r.length for r in reads)})
+                                          "bytes": sum(r.length for r in reads),
+                                          "thread": threading.current_thread().name})
 
         backend.read_ranges = read_ranges  # type: ignore[method-assign]
 

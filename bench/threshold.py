@@ -4,7 +4,10 @@ Three vLLM CPU API servers (:class:`~range_connector.testing.server_process.Serv
 layers, 128 KiB of KV per token), each reused for every cell:
 
 * ``always``: Range connector, file tier (``backend`` ``"file"``, its own directory, in the page cache) behind the
-  latency wrapper, ``load_mode`` ``"pipelined"``: every stored prefix is loaded;
+  latency wrapper, ``load_mode`` ``"pipelined"``: every stored prefix is loaded. Its loads get a deadline that no
+  prediction of the cost model's estimators can exceed (:func:`never_late_deadline_s`), so that none is refused for a
+  predicted late finish (docs/architecture.md, "The path of one request", step 4): whether it loads cannot depend on
+  how fast this machine happened to be;
 * ``never``: no connector: every prompt is recomputed;
 * ``gate``: the same connector with ``load_mode`` ``"auto"``, seeded with the calibration file written here.
 
@@ -26,7 +29,8 @@ bandwidth is switched between cells while the engines run.
    a fresh prompt is sent once to ``always`` and ``gate`` (not measured: it is computed and stored), then ``--runs``
    rounds, each sending the prompt to the three engines in rotated order, vLLM's own prefix cache emptied before every
    request (``/reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE``); ``max_tokens = 1``; TTFT as the client sees it; tokens
-   loaded per request from the ``/metrics`` counter ``vllm:external_prefix_cache_hits_total``. Per cell: medians, the
+   loaded per request from the ``/metrics`` counter ``vllm:external_prefix_cache_hits_total`` (and, on ``gate``, its
+   decision from ``vllm:range_gate_decisions_total``: taken, shortened, refused or probe). Per cell: medians, the
    oracle ``min(always, never)``, the gate's ratio to it. Summary: share of cells with the gate within 10% of the oracle
    (target >= 90%) and the regret ``sum(gate - oracle) / sum(oracle)`` (target <= 5%).
 4. **Slow tier** (``gate`` only, the longest prompt): requests one after another with the tier fast, then switched
@@ -69,6 +73,7 @@ from range_connector.cost.calibration_file import (  # noqa: E402
     fit_tier_line,
     write_calibration,
 )
+from range_connector.cost.estimators import MAX_T0_S, MIN_BANDWIDTH_BYTES_PER_S  # noqa: E402
 from range_connector.cost.model import PrefillRate, TierEstimate  # noqa: E402
 from range_connector.testing.client import complete, reset_prefix_cache, scrape_metrics, wait_for_metric  # noqa: E402
 from range_connector.testing.processes import unwind_on_sigterm  # noqa: E402
@@ -83,6 +88,8 @@ BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
 _FIRST_SAFE_TOKEN_ID = 16
 UNRESOLVED_B0_BYTES_PER_S = 1e11  # hit times that do not grow with bytes: the path is faster than we can resolve
+#: how long vLLM may take to publish a request's step stats on /metrics; only a hang takes longer
+METRICS_WAIT_S = 60.0
 
 
 # ---------------------------------------------------------------------------------------------------- engines
@@ -91,6 +98,8 @@ class Engine:
 
     def __init__(self, way: str, model: Path, work: Path, args: argparse.Namespace, extra: dict | None) -> None:
         self.way = way
+        #: the gate's decision for each request is read from its counters (the gate engine only)
+        self.counts_decisions = extra is not None and extra.get("load_mode") == "auto"
         ktc = None if extra is None else connector_config(extra)
         self.server = ServerProcess(model, work_dir=work / way, max_model_len=args.max_model_len,
                                     block_size=BLOCK_SIZE, kv_transfer_config=ktc, kvcache_space_gib=1,
@@ -101,15 +110,35 @@ class Engine:
         return self.server.base_url
 
     def send(self, ids: list[int], timeout_s: float) -> dict[str, Any]:
-        """Empty vLLM's prefix cache, send ``ids`` (``max_tokens = 1``); TTFT and tokens loaded by the connector."""
+        """Empty vLLM's prefix cache, send ``ids`` (``max_tokens = 1``); TTFT and tokens loaded by the connector (and
+        on the gate engine, ``decisions``: the gate's decisions counted for the request, by kind)."""
         if not reset_prefix_cache(self.url):
             raise RuntimeError(f"{self.way}: /reset_prefix_cache refused (blocks still held)")
         before = scrape_metrics(self.url)
+        decided = gate_decisions(self.url) if self.counts_decisions else {}
         t_s = time.monotonic()
         ttft_s = complete(self.url, prompt_token_ids=ids, max_tokens=1, timeout_s=timeout_s).ttft_s
-        # vLLM publishes step stats asynchronously: wait until this request's prompt tokens are counted.
-        after = wait_for_metric(self.url, PROMPT_TOKENS, before.get(PROMPT_TOKENS, 0.0) + len(ids), timeout_s=10.0)
-        return {"t_s": t_s, "ttft_s": ttft_s, "loaded_tokens": int(after.get(HITS, 0.0) - before.get(HITS, 0.0))}
+        # vLLM publishes step stats asynchronously: wait until this request's prompt tokens are counted (its hit and
+        # the gate's decision are published with them or before). A scrape from before that must never be read as
+        # "nothing loaded".
+        counted = before.get(PROMPT_TOKENS, 0.0) + len(ids)
+        after = wait_for_metric(self.url, PROMPT_TOKENS, counted, timeout_s=METRICS_WAIT_S)
+        if after.get(PROMPT_TOKENS, 0.0) < counted:
+            raise RuntimeError(f"{self.way}: the request's prompt tokens were not on /metrics after "
+                               f"{METRICS_WAIT_S:g} s, so its loaded tokens cannot be read")
+        out = {"t_s": t_s, "ttft_s": ttft_s, "loaded_tokens": int(after.get(HITS, 0.0) - before.get(HITS, 0.0))}
+        if self.counts_decisions:
+            now = gate_decisions(self.url)
+            out["decisions"] = {k: n - decided.get(k, 0) for k, n in now.items() if n > decided.get(k, 0)}
+        return out
+
+
+def never_late_deadline_s(hit_tokens: int, bytes_per_token: float) -> float:
+    """A load deadline, seconds, that no prediction of the cost model can exceed for a hit of up to ``hit_tokens``:
+    the estimators keep ``T0 <= MAX_T0_S`` and ``B >= MIN_BANDWIDTH_BYTES_PER_S`` (range_connector/cost/estimators.py),
+    so a predicted load ``T0 + h·s/B`` is at most this. As ``min_load_deadline_s`` and ``load_deadline_s`` of a fixed
+    load mode, no hit is refused for a predicted late finish, and only a hang cuts a load short."""
+    return math.ceil(MAX_T0_S + hit_tokens * bytes_per_token / MIN_BANDWIDTH_BYTES_PER_S) + 1.0
 
 
 def hit_of(n: int) -> int:
@@ -135,7 +164,13 @@ def calibrate(never: Engine, always: Engine, control_file: Path, args: argparse.
     log(f"calibration: prefill sweep on 'never' ({lengths}, {args.cal_repeats} each)")
     prefill_points = measure_prefill(never.url, lengths, repeats=args.cal_repeats, vocab_size=vocab,
                                      report=log)
-    rate, overhead_s = fit_prefill_rate(prefill_points)
+    try:
+        rate, overhead_s = fit_prefill_rate(prefill_points)
+        prefill_resolved = True
+    except ValueError as exc:  # the times do not grow with length: prefill too fast to resolve against the noise
+        n_max, t_max = max(prefill_points)
+        rate, overhead_s, prefill_resolved = PrefillRate.constant(n_max / t_max), 0.0, False
+        log(f"calibration: {exc}; R from the longest prompt alone ({n_max / t_max:.0f} tokens/s, no overhead)")
     set_tier(control_file, 0.0)
     log("calibration: hits on 'always' with the tier uncapped")
     hit_points: list[tuple[int, float]] = []
@@ -162,7 +197,8 @@ def calibrate(never: Engine, always: Engine, control_file: Path, args: argparse.
     line = TierEstimate(b0_bytes_per_s, max(0.0, intercept_s - overhead_s))
     cal = Calibration(rate, overhead_s, {"file": (line,)}, s, str(args.model_dir), time.time(),
                       tuple(prefill_points), {"file": (tuple((b, max(0.0, t - overhead_s)) for b, t in hit_points),)})
-    return {"calibration": cal, "rate": rate, "overhead_s": overhead_s, "t0_s": line.t0_s,
+    return {"calibration": cal, "rate": rate, "overhead_s": overhead_s, "prefill_resolved": prefill_resolved,
+            "t0_s": line.t0_s,
             "b0_bytes_per_s": line.bandwidth_bytes_per_s, "b0_resolved": fitted,
             "prefill_points": prefill_points, "hit_points": raw_hits,
             "r_tokens_per_s": rate.tokens_per_s(0), "b_star_bytes_per_s": s * rate.tokens_per_s(0)}
@@ -252,14 +288,25 @@ def summarise_grid(cells: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def gate_probes(url: str) -> int:
-    """The gate's probes so far (``vllm:range_gate_decisions_total{decision="probe"}``, Range's own counter)."""
+def gate_decisions(url: str) -> dict[str, int]:
+    """The gate's decisions so far, by kind (``vllm:range_gate_decisions_total{decision=...}``, Range's own counter:
+    ``taken``, ``shortened``, ``refused``, ``probe``)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "vllm:range_gate_decisions_total" and s.labels.get("decision") == "probe"))
+    out: dict[str, int] = {}
+    for f in text_string_to_metric_families(text):
+        for sample in f.samples:
+            if sample.name == "vllm:range_gate_decisions_total" and "decision" in sample.labels:
+                kind = sample.labels["decision"]
+                out[kind] = out.get(kind, 0) + int(sample.value)
+    return out
+
+
+def gate_probes(url: str) -> int:
+    """The gate's probes so far (``vllm:range_gate_decisions_total{decision="probe"}``)."""
+    return gate_decisions(url).get("probe", 0)
 
 
 def run_slow_tier(gate: Engine, control_file: Path, fast_cap: float, slow_cap: float, args: argparse.Namespace,
@@ -364,7 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slow-phases", type=ints, default=None, help="requests fast,slow,recovered (default 5,10,8)")
     p.add_argument("--no-slow-tier", action="store_true", help="skip the slow-tier scenario")
     p.add_argument("--load-deadline-s", type=float, default=None,
-                   help="connector load_deadline_s of both connector engines (default: the connector's, 30 s)")
+                   help="connector load_deadline_s of the gate engine (default: the connector's, 30 s); the always "
+                        "engine's is at least this, and long enough that no load is refused as late")
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--wait-quiet-s", type=float, default=0.0,
@@ -424,11 +472,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.load_deadline_s is not None:
             common["load_deadline_s"] = args.load_deadline_s
+        # "always" loads every hit: its deadline is one no prediction can exceed, so no load is refused for a
+        # predicted late finish (on a busy machine its estimators may well predict loads slower than recomputing)
+        always_deadline_s = max(common.get("load_deadline_s", 0.0),
+                                never_late_deadline_s(hit_of(max(args.lengths)), s))
         engines = {"never": Engine("never", args.model_dir, work, args, None),
                    "always": Engine("always", args.model_dir, work, args,
                                     {**common, "load_mode": "pipelined", "tiers": file_tier(work / "kv-always"),
-                                     # "always" loads every hit: no load is refused for a predicted late finish
-                                     "min_load_deadline_s": common.get("load_deadline_s", 30.0)})}
+                                     "min_load_deadline_s": always_deadline_s, "load_deadline_s": always_deadline_s})}
+        doc["config"]["always_load_deadline_s"] = always_deadline_s
         try:
             for e in engines.values():
                 e.server.start()

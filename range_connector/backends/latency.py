@@ -27,6 +27,10 @@ modification time changes::
 Any subset of the keys may be given; the last change wins, whether it came from the file or from ``update``. Write
 the file with :func:`write_control_file` (atomic, so a reader never sees half a file).
 
+Time is read from an injected ``clock`` and slept out with an injected ``sleep`` (``time.monotonic`` and
+``time.sleep`` by default), so tests check the emulated durations exactly on a virtual clock instead of timing calls
+(tests/backends/test_latency_backend.py).
+
 Config keys (README): ``tier_delay_s``, ``tier_bandwidth_bytes_per_s``, ``tier_control_file``.
 """
 
@@ -130,26 +134,28 @@ class LatencyControl:
         settings: the starting settings (from the config).
         control_file: JSON file to follow (``None``: none). A file present at construction must be valid.
         poll_s: the file is looked at no more often than this (seconds).
+        clock: monotonic seconds (the poll period and :meth:`wait_until_unfrozen` deadlines are read on it).
 
     Raises:
         ValueError: the control file exists but is unreadable or invalid (names the file and key).
     """
 
     def __init__(self, settings: TierLatency, control_file: str | os.PathLike[str] | None = None,
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._settings = settings
         self._file = Path(control_file) if control_file else None
         self._poll_s = poll_s
+        self.clock = clock
         self._changed = threading.Condition()
         self._next_poll_at = 0.0
         self._file_version: tuple[int, int, int] | None = None
         if self._file is not None:
             with self._changed:
-                self._poll(time.monotonic(), strict=True)
+                self._poll(clock(), strict=True)
 
     def current(self) -> TierLatency:
         """The settings now (re-reads the control file when due)."""
-        now = time.monotonic()
+        now = self.clock()
         with self._changed:
             if self._file is not None and now >= self._next_poll_at:
                 self._poll(now, strict=False)
@@ -167,11 +173,12 @@ class LatencyControl:
             return self._settings
 
     def wait_until_unfrozen(self, deadline: float) -> TierLatency | None:
-        """Block while the tier is frozen; the settings once it is not, ``None`` if ``deadline`` (monotonic s)
-        passes first."""
+        """Block while the tier is frozen; the settings once it is not, ``None`` if ``deadline`` (on
+        :attr:`clock`) passes first. The wait itself is real, at most ``poll_s`` at a time, and ends at once when
+        :meth:`update` unfreezes the tier."""
         settings = self.current()
         while settings.frozen:
-            left_s = deadline - time.monotonic()
+            left_s = deadline - self.clock()
             if left_s <= 0:
                 return None
             with self._changed:
@@ -213,20 +220,24 @@ class LatencyBackend(Backend):
 
     Args:
         inner: the backend doing the work (its counters, capacity and capabilities are this wrapper's).
-        control: the shared settings.
+        control: the shared settings; its :attr:`LatencyControl.clock` is the time the emulated durations are
+            measured on.
         timeout_s: the backend deadline of one call, seconds (as ``backend_timeout_s``).
+        sleep: sleeps out the rest of a call's emulated time (seconds; on the control's clock).
 
     Raises:
         ValueError: ``timeout_s`` is not > 0.
     """
 
-    def __init__(self, inner: Backend, control: LatencyControl, *, timeout_s: float) -> None:
+    def __init__(self, inner: Backend, control: LatencyControl, *, timeout_s: float,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: {timeout_s!r} must be > 0")
         super().__init__(inner.name, inner.max_value_bytes, inner.capacity_bytes)
         self._inner = inner
         self.control = control
         self.timeout_s = timeout_s
+        self._sleep = sleep
         self.counters = inner.counters
         self.is_shared = inner.is_shared
         self.supports_views = inner.supports_views
@@ -247,7 +258,8 @@ class LatencyBackend(Backend):
         return self._inner
 
     def _round_trip(self, what: str, direction: int, call: Callable[[], T], nbytes: Callable[[T], int]) -> T:
-        start = time.monotonic()
+        clock = self.control.clock
+        start = clock()
         deadline = start + self.timeout_s
         settings = self.control.wait_until_unfrozen(deadline)
         if settings is None:
@@ -263,10 +275,10 @@ class LatencyBackend(Backend):
             if done_at <= deadline and bandwidth > 0 and size > 0:
                 self._link_free_at[direction] = done_at
         if done_at > deadline:
-            time.sleep(max(0.0, deadline - time.monotonic()))
+            self._sleep(max(0.0, deadline - clock()))
             raise BackendTimeoutError(f"{self.name}: {what} of {size} bytes needs {done_at - start:.3f} s at "
                                       f"{settings}, over the {self.timeout_s:g} s deadline")
-        time.sleep(max(0.0, done_at - time.monotonic()))
+        self._sleep(max(0.0, done_at - clock()))
         return result
 
     # ------------------------------------------------------------------ the protocol

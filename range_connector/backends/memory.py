@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from range_connector.backends.base import Backend, RangeRead, ScatterDest, StripeWrite
 
@@ -22,17 +22,19 @@ class MemoryBackend(Backend):
         capacity_bytes: byte budget (``None``: unlimited).
         name: label for error messages.
         max_value_bytes: largest accepted layer value (default 2 GiB).
+        clock: monotonic seconds, on which leases expire (tests pass a virtual one).
     """
 
     def __init__(self, capacity_bytes: int | None = None, name: str = "memory",
-                 max_value_bytes: int = 2 << 30) -> None:
+                 max_value_bytes: int = 2 << 30, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(name, max_value_bytes, capacity_bytes)
+        self._clock = clock
         self.supports_views = True
         self.supports_scatter = True
         self._stripes: OrderedDict[str, list[bytes]] = OrderedDict()  # LRU order, oldest first
         self._stripe_tickets: dict[str, list[bytes]] = {}
         self._tickets: dict[bytes, tuple[str, bytes]] = {}  # key -> (stripe id, encoded ticket)
-        self._leases: dict[str, dict[str, float]] = {}  # stripe id -> {lease token: expiry (monotonic s)}
+        self._leases: dict[str, dict[str, float]] = {}  # stripe id -> {lease token: expiry (on the clock)}
         self._used_bytes = 0
         self._lock = threading.Lock()
         #: ticket keys dropped by eviction since the last :meth:`take_evicted` (a scheduler-side index learns them).
@@ -59,7 +61,7 @@ class MemoryBackend(Backend):
             return True
         if need_bytes > self.capacity_bytes:
             return False
-        now = time.monotonic()
+        now = self._clock()
         for stripe_id in list(self._stripes):
             if self._used_bytes + need_bytes <= self.capacity_bytes:
                 break
@@ -131,7 +133,7 @@ class MemoryBackend(Backend):
         return out
 
     def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
-        expiry = time.monotonic() + ttl_s
+        expiry = self._clock() + ttl_s
         token = uuid.uuid4().hex
         with self._lock:
             for sid in stripe_ids:
@@ -175,7 +177,7 @@ class MemoryBackend(Backend):
 
     def num_leases(self) -> int:
         """Live leases held (for tests and metrics)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             return sum(1 for sid in list(self._leases) if self._leased(sid, now) for _ in self._leases.get(sid, ()))
 

@@ -15,6 +15,7 @@ timeout (the tier's own ``timeout_s``) reports the time it took as a lower bound
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from range_connector.backends.base import Backend, RangeRead
@@ -44,14 +45,16 @@ def chunk_reads(t: Ticket, dest: memoryview) -> list[RangeRead]:
     return reads
 
 
-def probe_chunk(backends: list[Backend], tickets: tuple[Ticket, ...], readers: Executor
-                ) -> tuple[int, float, bool] | None:
+def probe_chunk(backends: list[Backend], tickets: tuple[Ticket, ...], readers: Executor, *,
+                clock: Callable[[], float] = time.monotonic) -> tuple[int, float, bool] | None:
     """Read one chunk from every shard at once; ``(bytes per shard, seconds, complete)`` or ``None``.
 
     Args:
         backends: ``[num_shards]`` backends (the worker's).
         tickets: ``[num_shards]`` tickets of the chunk.
         readers: runs one shard's read each (the worker's per-shard pool).
+        clock: seconds, on which the probe is timed (tests pass a virtual one: what the gate then decides must not
+            depend on how busy the test machine is).
 
     Returns:
         ``complete`` False: a shard timed out after ``seconds`` (a lower bound on the tier's time). ``None``: the
@@ -67,12 +70,12 @@ def probe_chunk(backends: list[Backend], tickets: tuple[Ticket, ...], readers: E
         except (BackendError, ValueError):
             return None
 
-    start = time.monotonic()
+    start = clock()
     if len(tickets) == 1:
         results = [one(0)]
     else:
         results = [f.result() for f in [readers.submit(one, s) for s in range(len(tickets))]]
-    seconds = time.monotonic() - start
+    seconds = clock() - start
     if any(r is None for r in results):
         return None
     t = tickets[0]

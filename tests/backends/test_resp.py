@@ -25,6 +25,7 @@ from range_connector.errors import BackendError, BackendTimeoutError
 from range_connector.worker.direct_receive import WriteGate
 
 MiB = 1 << 20
+WIDE_S = 10.0  # a call or a thread that takes this long hangs (the deadlines here are at most 1 s)
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -195,29 +196,35 @@ def test_scatter_gate_refusal_ends_the_read_closes_the_connection_and_writes_not
 @pytest.mark.timeout(30)
 def test_scatter_waits_for_bytes_outside_the_gate_so_closing_it_never_waits_for_the_tier() -> None:
     # A trickling server: the reader spends most of its time waiting for bytes; the owner closes the gate meanwhile
-    # and must not wait for the next chunk to arrive. The read then ends at its next write attempt.
+    # and must not wait for the next chunk to arrive. The read then ends at its next write attempt. (The server sends
+    # two chunks, then nothing until the test lets it: a close that waited for the tier would never return.)
     reply = b"$64\r\n" + bytes(range(1, 65)) + b"\r\n"  # no zero byte: what landed is told from what did not
-    server = _FakeServer(reply, chunk_bytes=20, interval_s=0.5)
-    conn = RespConnection("127.0.0.1", server.port, timeout_s=5.0)
+    server = _FakeServer(reply, chunk_bytes=20, interval_s=0.0, hold_after_chunks=2)
+    conn = RespConnection("127.0.0.1", server.port, timeout_s=60.0)  # (neither timeout is what ends the read)
     gate = WriteGate()
     buffer = bytearray(64)
     errors: list[BaseException] = []
 
     def read() -> None:
         try:
-            conn.execute_into([[b"GET", b"k"]], [ScatterDest((memoryview(buffer),), gate)], deadline_s=_deadline(5))
+            conn.execute_into([[b"GET", b"k"]], [ScatterDest((memoryview(buffer),), gate)], deadline_s=_deadline(60))
         except BaseException as exc:  # reported to the test thread
             errors.append(exc)
 
     reader = threading.Thread(target=read)
     try:
         reader.start()
-        time.sleep(1.2)  # two chunks have arrived (35 payload bytes), the third is due at 1.5 s
-        started = time.monotonic()
-        gate.close()
-        assert time.monotonic() - started < 0.2
+        end = time.monotonic() + WIDE_S
+        while bytes(buffer[:35]) != bytes(range(1, 36)):  # two chunks have arrived (35 payload bytes)
+            assert time.monotonic() < end, "the first two chunks never landed"
+            time.sleep(0.005)
+        closer = threading.Thread(target=gate.close, daemon=True)
+        closer.start()
+        closer.join(WIDE_S)
+        assert not closer.is_alive(), "closing the gate waited for the tier"
         landed = bytes(buffer)
-        reader.join(5)
+        server.go_on.set()  # the third chunk arrives: the read tries to write it and ends
+        reader.join(WIDE_S)
         assert not reader.is_alive()
         assert len(errors) == 1 and isinstance(errors[0], BackendError) and "cancelled" in str(errors[0])
         num_landed = next(i for i, (x, y) in enumerate(zip(landed + b"\xff", range(1, 66))) if x != y)
@@ -323,13 +330,13 @@ def test_frozen_server_raises_timeout_within_deadline(dedicated_valkey) -> None:
         started = time.monotonic()
         with pytest.raises(BackendTimeoutError, match=f"{host}:{port}"):
             reader.execute_into([[b"GET", b"k"]], [memoryview(bytearray(8))], deadline_s=started + 1.0)
-        assert time.monotonic() - started < 1.5
+        assert 1.0 <= time.monotonic() - started < WIDE_S  # at the deadline: not before, and no hang
         assert reader.closed
 
         started = time.monotonic()  # a large SET blocks in send once the socket buffers are full
         with pytest.raises(BackendTimeoutError):
             writer.execute_into([[b"SET", b"k", memoryview(bytearray(64 * MiB))]], [None], deadline_s=started + 1.0)
-        assert time.monotonic() - started < 1.5
+        assert 1.0 <= time.monotonic() - started < WIDE_S
         assert writer.closed
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -338,12 +345,15 @@ def test_frozen_server_raises_timeout_within_deadline(dedicated_valkey) -> None:
 
 
 class _FakeServer:
-    """A loopback server that answers every request with ``reply``, one chunk per ``interval_s``."""
+    """A loopback server that answers every request with ``reply``, one chunk per ``interval_s``; with
+    ``hold_after_chunks``, the chunks after that many only once :attr:`go_on` is set."""
 
-    def __init__(self, reply: bytes, chunk_bytes: int, interval_s: float) -> None:
+    def __init__(self, reply: bytes, chunk_bytes: int, interval_s: float, hold_after_chunks: int | None = None) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._reply, self._chunk_bytes, self._interval_s = reply, chunk_bytes, interval_s
+        self._hold_after = hold_after_chunks
+        self.go_on = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -351,7 +361,11 @@ class _FakeServer:
     def _serve(self) -> None:
         with self._listener, self._listener.accept()[0] as client:
             client.recv(65536)
-            for offset in range(0, len(self._reply), self._chunk_bytes):
+            for idx, offset in enumerate(range(0, len(self._reply), self._chunk_bytes)):
+                if idx == self._hold_after:
+                    while not self.go_on.wait(0.01):
+                        if self._stop.is_set():
+                            return
                 if self._stop.wait(self._interval_s):
                     return
                 client.sendall(self._reply[offset : offset + self._chunk_bytes])
@@ -364,13 +378,13 @@ class _FakeServer:
 
 @pytest.mark.timeout(30)
 def test_trickling_reply_cannot_stretch_the_deadline() -> None:
-    server = _FakeServer(b"$8\r\nslowslow\r\n", chunk_bytes=1, interval_s=0.2)  # 14 bytes: 2.8 s in all
+    server = _FakeServer(b"$8\r\nslowslow\r\n", chunk_bytes=1, interval_s=0.5)  # 14 bytes: 7 s in all
     conn = RespConnection("127.0.0.1", server.port, timeout_s=5.0)
     try:
         started = time.monotonic()
         with pytest.raises(BackendTimeoutError, match="no complete reply"):
             conn.execute_into([[b"GET", b"k"]], [memoryview(bytearray(8))], deadline_s=started + 1.0)
-        assert time.monotonic() - started < 1.5
+        assert 1.0 <= time.monotonic() - started < WIDE_S  # at the deadline, long before the reply
     finally:
         conn.close()
         server.close()

@@ -4,6 +4,10 @@ closed port, an oversize write against a stale limit (C19), and two shard server
 
 Stripes come from the conformance suite's helpers (``tests/backends/conformance.py``); servers from the fixtures of
 ``tests/conftest.py``.
+
+No test here bounds how long a failing call took by anything but a wide margin (:data:`WIDE_S`, which only a hang
+reaches): what is checked is that it failed with the right error, no earlier than its deadline, and (where a call
+has several steps) that every step was given the call's one deadline.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from tests.backends.conformance import (
     make_stripe,
     read_whole,
 )
+
+WIDE_S = 10.0  # a failing call that takes this long hangs (its deadlines here are 0.5-2 s)
 
 
 # ---------------------------------------------------------------------------------------------------- Valkey only
@@ -153,7 +159,7 @@ class TestValkeyFailures:
                 with pytest.raises(BackendTimeoutError, match=_url_pattern(url)) as exc_info:
                     call()
                 elapsed_s = time.monotonic() - start
-                assert elapsed_s < timeout_s + 1.0, (name, elapsed_s)
+                assert timeout_s <= elapsed_s < WIDE_S, (name, elapsed_s)  # it waited out its deadline, no more
                 assert isinstance(exc_info.value, BackendError) and isinstance(exc_info.value, TimeoutError)
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -179,9 +185,11 @@ class TestValkeyFailures:
         assert b.write_stripe(s.write) is True
         data_path = "_resp_run" if db == 0 else "_pipeline"  # what sends the values (after the reservation)
         send = getattr(b, data_path)
+        deadlines: list[float | None] = []
 
         def freeze_then_send(*args, **kwargs):
             os.kill(pid, signal.SIGSTOP)
+            deadlines.append(kwargs["deadline"] if "deadline" in kwargs else args[2] if len(args) > 2 else None)
             return send(*args, **kwargs)
 
         monkeypatch.setattr(b, data_path, freeze_then_send)
@@ -194,7 +202,11 @@ class TestValkeyFailures:
         finally:
             os.kill(pid, signal.SIGCONT)
         monkeypatch.undo()
-        assert elapsed_s < timeout_s + 0.5
+        # The values were sent with the deadline the write set before its reservation (one for the whole call, not
+        # a fresh one per step), and the write failed there.
+        [deadline] = deadlines
+        assert deadline is not None and start + timeout_s <= deadline <= start + elapsed_s
+        assert timeout_s <= elapsed_s < WIDE_S
         admin = valkey.Valkey.from_url(url, socket_timeout=5.0)
         try:
             time.sleep(0.2)  # let the server apply whatever reached it
@@ -212,8 +224,8 @@ class TestValkeyFailures:
     @pytest.mark.timeout(20)
     def test_case_C21_trickling_server_raises_timeout_within_the_deadline(self, db: int) -> None:
         # One key answers after a very long delay. Each byte arrives within the socket timeout, so only a per-call
-        # deadline catches it.
-        timeout_s = 0.3
+        # deadline catches it. (A reply takes 7 s or more, far past the 1 s deadline: the call can only fail.)
+        timeout_s = 1.0
         server = _TricklingServer(interval_s=timeout_s / 2)
         try:
             b = ValkeyBackend(_db_url(server.url, db), timeout_s=timeout_s)
@@ -228,7 +240,7 @@ class TestValkeyFailures:
                     start = time.monotonic()
                     with pytest.raises(BackendTimeoutError, match=_url_pattern(server.url)):
                         call()
-                    assert time.monotonic() - start < timeout_s + 1.0, name
+                    assert timeout_s <= time.monotonic() - start < WIDE_S, name
             finally:
                 b.close()
         finally:
@@ -244,7 +256,7 @@ class TestValkeyFailures:
         start = time.monotonic()
         with pytest.raises(BackendError, match=url):
             ValkeyBackend(url, timeout_s=1.0)
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < WIDE_S  # (refused: not retried until some far deadline)
 
     @pytest.mark.timeout(20)
     def test_case_C19_oversize_write_against_a_stale_limit_fails_cleanly(self, dedicated_valkey, db: int) -> None:
@@ -262,7 +274,7 @@ class TestValkeyFailures:
             start = time.monotonic()
             with pytest.raises(BackendError):
                 b.write_stripe(big.write)
-            assert time.monotonic() - start < 2.5
+            assert time.monotonic() - start < WIDE_S  # a typed error, not a hang
             assert admin.exists(big.keys[0]) == 0
             audit_valkey(admin)
             for _ in range(3):

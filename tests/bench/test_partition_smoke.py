@@ -1,5 +1,9 @@
 """Smoke run of ``bench/partition.py``: every case restores byte-exact, bytes per server fall as 1/S (from the
-servers' own INFO), and the per-shard fetch threads have requests to different servers in flight at once.
+servers' own INFO), and the fetch path reads each shard's server from a thread of its own (from its request
+timeline), so that requests to different servers can be in flight at once.
+
+How much they overlap in time (``multi_server_s``) is the benchmark's measurement and is not asserted: on a busy
+2-core machine one shard's read can end before the next thread has started.
 
 Runs ``bench/partition.py --smoke`` (16 MiB, S = 1, 2, 4 and one shared server, 2 timed rounds) as a subprocess with
 Valkey servers of its own, and checks the JSON it writes.
@@ -24,8 +28,11 @@ def test_partition_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
                           text=True, timeout=140, cwd=str(REPO))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    doc = json.loads(out.read_text())
+    check_partition_doc(json.loads(out.read_text()))
 
+
+def check_partition_doc(doc: dict) -> None:
+    """What the smoke run's JSON must show (apart from the run, so that it can be checked on a doctored copy)."""
     assert doc["config"]["smoke"] is True and doc["config"]["payload_bytes"] == 16 << 20
     rows = {(r["path"], r["case"]): r for r in doc["rows"]}
     cases = ["S1-partitioned", "S2-partitioned", "S2-shared", "S4-partitioned", "S4-shared"]
@@ -40,7 +47,14 @@ def test_partition_smoke(tmp_path: Path) -> None:
             assert all(abs(b / total - 1 / s) < 0.02 for b in per_server), per_server
             assert rows[(path, f"S{s}-shared")]["server_bytes_median"][0] == pytest.approx(total, rel=0.02)
             assert all(c >= 0 for c in rows[(path, f"S{s}-partitioned")]["server_cpu_s_median"])
-    for s in (2, 4):  # one fetch thread per shard: requests to different servers overlap
-        assert rows[("fetch", f"S{s}-partitioned")]["overlap_last"]["multi_server_s"] > 0
+    for s in (2, 4):  # one fetch thread per shard, each reading only its own server
+        row = rows[("fetch", f"S{s}-partitioned")]
+        threads: dict[int, set[str]] = {}
+        for request in row["timeline_last"]:
+            threads.setdefault(request["server"], set()).add(request["thread"])
+        assert sorted(threads) == list(range(s)) and all(len(names) == 1 for names in threads.values()), threads
+        assert len(set().union(*threads.values())) == s, threads
+        overlap = row["overlap_last"]
+        assert 0 <= overlap["multi_server_s"] <= overlap["busy_s"] + 1e-9
     assert set(doc["analysis"]["per_path"]["fetch"]) == {"S2", "S4"}
     assert doc["plot"] and Path(doc["plot"]).is_file()

@@ -29,6 +29,9 @@ from tests.unit.scheduler_worker_harness import BLOCK, LAYER_BLOCK_BYTES, LAYERS
 pytestmark = pytest.mark.timeout(180)
 
 WORLD = 4
+#: a step or a wait that takes this long hangs (the deadlines and collective timeouts here are 1-2 s): how long they
+#: took is bounded only by this, what they decided (failed blocks, a broken group) is checked exactly
+WIDE_S = 60.0
 CHUNK = 64  # tokens: 4 blocks of 16, so a chunk splits evenly over 1, 2 or 4 shards
 
 
@@ -239,20 +242,20 @@ def test_killing_one_shard_server_during_a_load_fails_the_same_blocks_on_every_r
     killer = threading.Timer(0.3, lambda: os.kill(servers.pids[1], signal.SIGKILL))
     killer.start()
     meta = b.start_step()
-    results = b.finish_step(timeout_s=load_deadline_s + collective_timeout_s + 10)
+    results = b.finish_step(timeout_s=WIDE_S)
     elapsed_s = time.monotonic() - pool_start
     killer.join()
     all_blocks = sorted(x for r in meta.loads for c in r.chunks for x in c.block_ids)
-    assert elapsed_s < load_deadline_s + collective_timeout_s, f"the step took {elapsed_s:.1f} s"
+    assert elapsed_s < WIDE_S, f"the step took {elapsed_s:.1f} s"
     assert results[0]["failed"] == results[1]["failed"] == all_blocks
     assert results[0]["local_failed"] == []  # rank 0 loaded its shard: it fails only because rank 1 did
     assert results[1]["local_failed"] and all(r["consistent"] and not r["broken"] for r in results)
     # Nobody is left in a collective: the next step (shard 1 is gone: a miss) runs at once on both ranks.
     b.sched.finish("k")
     assert b.sched.admit(FakeRequest("k2", prompt_tokens(2 * CHUNK, seed=4001))) == 0
-    t0 = time.monotonic()
-    _, results = b.step(timeout_s=30)
-    assert time.monotonic() - t0 < collective_timeout_s and all(r["failed"] == [] for r in results)
+    _, results = b.step(timeout_s=WIDE_S)
+    # (a rank left in a collective would make this step's collectives time out: the group would be broken)
+    assert all(r["failed"] == [] and not r["broken"] for r in results)
     assert b.sched.sched.num_leases == 0  # the promised stripes were released (shard 1's release is best effort)
     a.close()
     b.close()
@@ -277,7 +280,7 @@ def test_a_stopped_rank_costs_the_others_one_timeout_then_the_group_recovers(
     [r1] = pool.collect([1], timeout_s=30)
     b.sched.complete([r0["worker_meta"], r1["worker_meta"]])
     all_blocks = sorted(x for r in meta.loads for c in r.chunks for x in c.block_ids)
-    assert waited_s < 1.0 + 1.0 + 2.0
+    assert waited_s < WIDE_S  # one timeout, not a hang (how long a timeout takes is not this test's to time)
     assert r0["failed"] == r1["failed"] == all_blocks and r0["broken"] and r1["broken"]
     # A fresh group (every rank of the world takes part) and the same load succeeds, byte-exact on both ranks.
     pool.call_all("regroup", timeout_s=30)

@@ -34,6 +34,12 @@ ticket per (chunk, shard); a lookup reads tickets (one call per shard); a load l
 byte ranges of them into a transfer bank (one call per shard), verifies a checksum per chunk per layer and copies
 once per (layer, plane) into the KV cache; or, from a tier that can scatter (path ``direct``), reads them straight
 into the destination blocks and verifies them there.
+
+Timing: no test of this harness's users measures how long something took. A slow or frozen tier that the outcome
+depends on is *held* (:meth:`FlakyBackend.hold_reads`: its loads wait until the test releases them), so that the
+code under test can only end a wait through its own deadline; waits for background work have a wide bound that only
+a hang exceeds; and probe timings, from which the cost gate decides, are taken on a virtual clock. The helpers for
+all of this are in :mod:`tests.unit.clocks`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -60,6 +67,7 @@ from range_connector.kv.namespace import ChunkHash, prefix_hash_chain
 from range_connector.kv.tickets import Ticket, ticket_key
 from range_connector.scheduler.facade import RangeScheduler
 from range_connector.worker.facade import RangeWorker
+from tests.unit.clocks import HOLD_MAX_S
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -74,6 +82,7 @@ LAYER_BLOCK_BYTES = {"dense": NUM_KV_HEADS * BLOCK * 2 * HEAD_SIZE * 2,  # bf16 
                      "mla": BLOCK * MLA_WIDTH * 2}
 NUM_PLANES = {"dense": 1, "mla": 1, "split-kv": 2}
 CHUNK_BYTES_DENSE_32 = len(LAYERS) * 2 * LAYER_BLOCK_BYTES["dense"]  # one chunk of 32 tokens, one shard
+
 
 
 # ---------------------------------------------------------------------------------------------------- fakes
@@ -106,6 +115,11 @@ class FlakyBackend(Backend):
             frozen server does.
         calls: calls made, by method name.
         read_batches: ``len(reads)`` of every ``read_ranges`` call.
+        loads_in_flight: load calls (``read_ranges``, ``view_stripes``) entered and not yet returned or raised.
+        load_entered_s: ``time.monotonic()`` as each load call was entered (to check none started after a deadline).
+
+    :meth:`hold_reads` makes loads wait, before anything else they do, until :meth:`release_reads` (at most
+    :data:`HOLD_MAX_S`, then they go ahead): a tier that answers exactly when the test says, however busy the machine.
     """
 
     def __init__(self, inner: Backend, name: str = "flaky", *, views: bool = False, scatter: bool = False) -> None:
@@ -122,6 +136,19 @@ class FlakyBackend(Backend):
         self.read_hang_s: float | None = None
         self.calls: Counter[str] = Counter()
         self.read_batches: list[int] = []
+        self.loads_in_flight = 0
+        self.load_entered_s: list[float] = []
+        self._in_flight_lock = threading.Lock()
+        self._released: threading.Event | None = None
+
+    def hold_reads(self) -> None:
+        """Loads from now on wait for :meth:`release_reads`."""
+        self._released = threading.Event()
+
+    def release_reads(self) -> None:
+        """Held loads go ahead (and later ones are not held)."""
+        if self._released is not None:
+            self._released.set()
 
     def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
         self.calls["get_tickets"] += 1
@@ -135,7 +162,16 @@ class FlakyBackend(Backend):
             raise self.fail_write(f"{self.name}: injected write failure")
         return self.inner.write_stripe(write)
 
+    def _enter_load(self, delta: int) -> None:
+        with self._in_flight_lock:
+            self.loads_in_flight += delta
+            if delta > 0:
+                self.load_entered_s.append(time.monotonic())
+
     def _before_load(self) -> None:
+        released = self._released
+        if released is not None:
+            released.wait(HOLD_MAX_S)
         if self.read_hang_s is not None:
             time.sleep(self.read_hang_s)
             raise BackendTimeoutError(f"{self.name}: no answer within {self.read_hang_s} s")
@@ -145,6 +181,13 @@ class FlakyBackend(Backend):
             time.sleep(self.read_delay_s)
 
     def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
+        self._enter_load(1)
+        try:
+            return self._view_stripes(stripe_ids)
+        finally:
+            self._enter_load(-1)
+
+    def _view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
         assert self.supports_views
         self.calls["view_stripes"] += 1
         self.read_batches.append(len(stripe_ids))
@@ -161,6 +204,13 @@ class FlakyBackend(Backend):
         return out
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
+        self._enter_load(1)
+        try:
+            return self._read_ranges(reads)
+        finally:
+            self._enter_load(-1)
+
+    def _read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
         self.calls["read_ranges"] += 1
         self.read_batches.append(len(reads))
         self._before_load()

@@ -42,6 +42,9 @@ class StubBehaviour:
         num_chunks: Output tokens of a decode (one SSE event each when streaming).
         chunk_delay_s: Pause before each streamed event after the first, seconds.
         answer_delay_s: Pause before answering a generation request at all, seconds.
+
+    A pause ends early once the test sets its delay back to 0, so a test can make a stub far slower than any timeout
+    it checks (only a hang would let the stub win) and still not wait the pause out.
         die_after_chunks: Streaming decode: cut the connection after this many events.
         die_mid_event: With ``die_after_chunks``: send the first bytes of the next event before cutting.
         status: HTTP status of generation answers (an error body when not 200).
@@ -110,7 +113,7 @@ class StubEngine:
         self.requests.append((request.path, body))
         self.headers.append(request.headers.copy())
         if behaviour.answer_delay_s:
-            await asyncio.sleep(behaviour.answer_delay_s)
+            await self._pause("answer_delay_s")
         if behaviour.status != 200:
             return web.json_response({"error": {"message": f"{self.name} says no", "type": "BadRequestError",
                                                 "param": None, "code": behaviour.status}}, status=behaviour.status)
@@ -121,6 +124,13 @@ class StubEngine:
         if not body.get("stream"):
             return web.json_response(self._answer(is_chat, tokens, None))
         return await self._stream(request, is_chat, tokens)
+
+    async def _pause(self, name: str) -> None:
+        """Sleep ``behaviour.<name>`` seconds, or until the test sets it to 0."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + getattr(self.behaviour, name)
+        while getattr(self.behaviour, name) and loop.time() < end:
+            await asyncio.sleep(min(0.01, max(0.0, end - loop.time())))
 
     def _range_params(self, extra: dict[str, Any]) -> dict[str, Any]:
         if self.behaviour.settings is None:
@@ -143,7 +153,7 @@ class StubEngine:
         self.streamed.append(b"")
         for idx, token in enumerate(tokens):
             if idx and behaviour.chunk_delay_s:
-                await asyncio.sleep(behaviour.chunk_delay_s)
+                await self._pause("chunk_delay_s")
             choice = {"index": 0, "delta": {"content": token}} if is_chat else {"index": 0, "text": token}
             event = f"data: {json.dumps({'id': f'cmpl-{self.name}', 'choices': [choice]})}\n\n".encode()
             if behaviour.die_after_chunks is not None and idx == behaviour.die_after_chunks:

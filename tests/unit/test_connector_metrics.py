@@ -21,6 +21,7 @@ from range_connector.kv.metadata import ChunkTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE, LoadTally, tokens_per_chunk
 from range_connector.testing.processes import free_port
+from tests.unit.clocks import WIDE_S, reads_returned, wait_until
 from tests.unit.scheduler_worker_harness import (
     Engine,
     FakeRequest,
@@ -130,12 +131,13 @@ def test_load_past_its_deadline_is_counted_as_failed(mode: str) -> None:
     a, _ = produce(inner, prompt)
     flaky = wrap(inner)
     b = Engine(flaky, seed=87, load_mode=mode, load_deadline_s=0.2,  # type: ignore[arg-type]
-               backend_timeout_s=0.5)
+               backend_timeout_s=WIDE_S)
     for f in flaky:
-        f.read_hang_s = 0.5
+        f.hold_reads()  # frozen until the load is over (then a timeout error)
+        f.read_hang_s = 0.0
     if mode == "async":
         assert b.admit_async(FakeRequest("B-0", prompt)) == 128
-        end = time.monotonic() + 10.0
+        end = time.monotonic() + WIDE_S
         while "B-0" not in b.step().finished_recving:
             assert time.monotonic() < end
             time.sleep(0.01)
@@ -144,7 +146,9 @@ def test_load_past_its_deadline_is_counted_as_failed(mode: str) -> None:
         b.step(forward=False)
     counts = b.sched.counters()
     assert (counts["loaded_tokens"], counts["failed_tokens"]) == (0, 128)
-    time.sleep(0.6)  # let the hung read end before the stores close
+    for f in flaky:
+        f.release_reads()
+    reads_returned(b, flaky)  # let the hung read end before the stores close
     a.close()
     b.close()
 
@@ -156,14 +160,17 @@ def test_aborted_async_load_is_counted_as_aborted() -> None:
     flaky = wrap(inner)
     b = Engine(flaky, seed=89, load_mode="async")  # type: ignore[arg-type]
     for f in flaky:
-        f.read_delay_s = 0.3
+        f.hold_reads()  # the load is still in flight when the client leaves
     assert b.admit_async(FakeRequest("B-0", prompt)) == 128
     b.step()
+    wait_until(lambda: sum(f.loads_in_flight for f in flaky) >= 1, "the load's read reached the tier")
     b.abort_waiting("B-0")
     assert b.step().finished_recving == {"B-0"}
     counts = b.sched.counters()
     assert (counts["loaded_tokens"], counts["failed_tokens"], counts["aborted_tokens"]) == (0, 0, 128)
-    time.sleep(0.4)
+    for f in flaky:
+        f.release_reads()
+    reads_returned(b, flaky)
     a.close()
     b.close()
 

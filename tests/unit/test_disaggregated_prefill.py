@@ -19,11 +19,12 @@ import dataclasses
 import inspect
 import textwrap
 import threading
-import time
 
 import pytest
 
+import range_connector.scheduler.handoff as handoff_module
 from range_connector.errors import BackendError
+from tests.unit.clocks import virtual_monotonic
 from tests.unit.scheduler_worker_harness import (
     Engine,
     FakeRequest,
@@ -78,20 +79,21 @@ def test_producer_stores_the_whole_prompt_and_the_consumer_loads_all_but_the_las
 
 
 @pytest.mark.timeout(30)
-def test_consumer_waits_within_remote_wait_s_for_announced_kv_then_recomputes() -> None:
+def test_consumer_waits_within_remote_wait_s_for_announced_kv_then_recomputes(monkeypatch) -> None:
+    # (on a virtual clock: the wait is remote_wait_s exactly, however busy the machine)
+    clock = virtual_monotonic(monkeypatch, handoff_module)
     inner = shard_backends(1, 1)
     prompt = prompt_tokens(150, seed=74)
     c = Engine(inner, can_load=True, can_save=False, seed=75, remote_wait_s=0.3)
     settings = dict(c.sched.settings)
     req = _pd_request("C-0", prompt, {"range": {"settings": settings, "num_tokens": 150}})
-    t0 = time.monotonic()
     assert c.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not there yet: asked again next step
-    while c.sched.get_num_new_matched_tokens(req, 0) == (None, False):
-        time.sleep(0.02)
-        assert time.monotonic() - t0 < 2.0
-    waited_s = time.monotonic() - t0
-    assert 0.25 <= waited_s < 1.0
+    for _ in range(5):  # asked again at every step until remote_wait_s has passed
+        clock.advance(0.29 / 5)
+        assert c.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock.advance(0.02)  # 0.31 s after the first ask
     assert c.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # then nothing is promised: recomputed
+    assert c.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # (and not waited for again)
     assert c.sched.stats["remote_wait_timeouts"] == 1
     c.close()
 

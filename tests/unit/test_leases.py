@@ -7,12 +7,11 @@ byte budget between engines.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from range_connector.backends.memory import MemoryBackend
 from range_connector.errors import BackendError, BackendTimeoutError
+from tests.unit.clocks import VirtualClock
 from tests.unit.scheduler_worker_harness import (
     BLOCK,
     CHUNK_BYTES_DENSE_32,
@@ -142,7 +141,8 @@ def test_a_leased_stripe_is_not_evicted_by_a_save_that_needs_room(lease: str) ->
     # promised stripe is the least recently used one. A live lease keeps it (the next unleased one goes instead);
     # an expired lease protects nothing (the load then fails cleanly).
     stripe4, stripe2 = 4 * CHUNK_BYTES_DENSE_32, 2 * CHUNK_BYTES_DENSE_32
-    dram = MemoryBackend(stripe4 + stripe2 + CHUNK_BYTES_DENSE_32, name="shared-tier")
+    clock = VirtualClock()  # leases expire when the test says, not when this machine happens to be slow
+    dram = MemoryBackend(stripe4 + stripe2 + CHUNK_BYTES_DENSE_32, name="shared-tier", clock=clock)
     p1, p0, p2 = prompt_tokens(150, seed=62), prompt_tokens(70, seed=63), prompt_tokens(70, seed=64)
     h1, h0, h2 = chain(p1, 32), chain(p0, 32), chain(p2, 32)
     a, a_blocks = produce([dram], p1, first_step_tokens=None)  # stripe S1 (4 chunks)
@@ -153,7 +153,7 @@ def test_a_leased_stripe_is_not_evicted_by_a_save_that_needs_room(lease: str) ->
     assert b.admit(FakeRequest("B-0", p1)) == 128
     assert dram.num_leases() == 1
     if lease == "expired":
-        time.sleep(0.1)
+        clock.advance(0.1)
     d = Engine([dram], seed=33)  # another engine reads S0: S1 becomes the least recently used stripe
     assert d.admit(FakeRequest("D-0", p0)) == 64
     assert d.step(forward=False).invalid_block_ids == set()
@@ -230,13 +230,14 @@ def test_releasing_an_expired_lease_leaves_another_holders_lease() -> None:
     # eviction pass prunes B1's expired entry; B1's release then removes B2's live lease, and B2's promised stripe
     # is unprotected until B2's load. (Valkey's counter behaves alike: B1's key expires, B2's INCR makes it 1,
     # B1's release DECRs it to 0 and deletes it.)
-    dram = MemoryBackend(4 * CHUNK_BYTES_DENSE_32 + 3 * CHUNK_BYTES_DENSE_32, name="shared-tier")
+    clock = VirtualClock()
+    dram = MemoryBackend(4 * CHUNK_BYTES_DENSE_32 + 3 * CHUNK_BYTES_DENSE_32, name="shared-tier", clock=clock)
     p1, p0, p2 = prompt_tokens(150, seed=68), prompt_tokens(70, seed=69), prompt_tokens(70, seed=70)
     a, _ = produce([dram], p1, first_step_tokens=None)  # S1
     a0, _ = produce([dram], p0, first_step_tokens=None, req_id="A-1", seed=11)  # S0
     b1 = Engine([dram], seed=30, lease_ttl_s=0.02)
     assert b1.admit(FakeRequest("B1", p1)) == 128
-    time.sleep(0.1)
+    clock.advance(0.1)
     b2 = Engine([dram], seed=31)
     assert b2.admit(FakeRequest("B2", p1)) == 128
     d = Engine([dram], seed=33)  # reads S0: S1 becomes the least recently used stripe

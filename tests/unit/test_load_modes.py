@@ -4,6 +4,10 @@ Driven through the scheduler/worker harness of ``scheduler_worker_harness.py`` (
 installed vLLM), with the real ``RangeScheduler`` and ``RangeWorker`` and in-memory stripe stores behind the
 ``FlakyBackend`` wrapper (delays and hangs at the backend boundary). Where it matters, each test runs on the bank
 path and on direct receive (the rows land straight in the KV cache: the wrapper lets loads scatter).
+
+No test here times the code under test: a slow or frozen tier is *held* (it answers when the test says), the deadline
+a load was given is read off the load job, background work is waited for with a wide bound, and probes are timed on
+a virtual clock (the harness's module docstring says how).
 """
 
 from __future__ import annotations
@@ -13,6 +17,16 @@ import time
 import pytest
 import torch
 
+from tests.unit.clocks import (
+    WIDE_S,
+    StillClock,
+    in_background,
+    instant_probes,
+    probe_timings_once_back,
+    reads_returned,
+    record_load_jobs,
+    wait_until,
+)
 from tests.unit.scheduler_worker_harness import (
     BLOCK,
     LAYER_BLOCK_BYTES,
@@ -42,7 +56,7 @@ def _layer_equal(dst: dict[str, torch.Tensor], dst_block: int, src: dict[str, to
     return torch.equal(d[dst_block], s[src_block])
 
 
-def _settled(b: Engine, backends, timeout_s: float = 2.0) -> bool:
+def _settled(b: Engine, backends, timeout_s: float = WIDE_S) -> bool:
     """No lease (ours or the tier's) and no transfer bank left in use, once fills already in flight have ended."""
     end = time.monotonic() + timeout_s
     while True:
@@ -53,7 +67,7 @@ def _settled(b: Engine, backends, timeout_s: float = 2.0) -> bool:
         time.sleep(0.01)
 
 
-def _run_until_loaded(b: Engine, req_id: str, timeout_s: float = 10.0):
+def _run_until_loaded(b: Engine, req_id: str, timeout_s: float = WIDE_S):
     """Engine steps (other requests keep running) until the worker reports the asynchronous load of ``req_id``."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -130,28 +144,28 @@ def test_async_load_does_not_delay_the_other_requests_of_the_batch() -> None:
     prompt = prompt_tokens(150, seed=55)
     a, a_blocks = produce(inner, prompt, num_shards=2)
     flaky = wrap(inner)
-    # (Engine's min_load_deadline_s of 5 s lets this slow load land; with the cost model's deadline alone it would be
-    # cut at what recomputing 128 tokens costs: test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take)
-    b = Engine(flaky, num_shards=2, seed=56, load_mode="async")  # type: ignore[arg-type]
+    # (a deadline floor of WIDE_S lets this held load land whenever the test releases it; with the cost model's
+    # deadline alone it would be cut at what recomputing 128 tokens costs:
+    # test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take)
+    b = Engine(flaky, num_shards=2, seed=56, load_mode="async", min_load_deadline_s=WIDE_S)  # type: ignore[arg-type]
     assert b.admit(FakeRequest("C-0", prompt_tokens(40, seed=57))) == 0  # another request, computing
     b.step()
     for f in flaky:
-        f.read_delay_s = 0.4  # a slow tier
+        f.hold_reads()  # a slow tier: B's KV arrives only once the test lets it
     assert b.admit_async(FakeRequest("B-0", prompt)) == 128
-    b.continue_("C-0", 1)
-    t0 = time.monotonic()
-    res = b.step()
-    step_s = time.monotonic() - t0
-    assert step_s < 0.2, f"the step waited {step_s:.3f} s for an asynchronous load"
-    assert "B-0" not in res.finished_recving and b.worker.num_loads_in_flight == 1
-    steps = 0
+    for _ in range(2):
+        b.continue_("C-0", 1)  # C keeps decoding while B's KV is on its way ...
+        res = b.step()  # ... and these steps come back with B's reads still held: they did not wait for B's load
+        assert "B-0" not in res.finished_recving and b.worker.num_loads_in_flight == 1
+    for f in flaky:
+        f.release_reads()
+    end = time.monotonic() + WIDE_S
     while "B-0" not in res.finished_recving:
-        b.continue_("C-0", 1)  # C keeps decoding while B's KV arrives
+        assert time.monotonic() < end, "the asynchronous load was never reported"
+        b.continue_("C-0", 1)
         res = b.step()
-        steps += 1
-        assert steps < 200
         time.sleep(0.01)
-    assert steps >= 2 and res.invalid_block_ids == set()
+    assert res.invalid_block_ids == set()
     assert b.resume_after_load("B-0", res.invalid_block_ids) == 128
     dst = list(b.running["B-0"].block_ids)
     for i in range(8):
@@ -172,22 +186,23 @@ def test_case_C11_abort_during_async_load_frees_everything_and_writes_nothing_af
     flaky = wrap(inner, path)
     b = Engine(flaky, seed=59, load_mode="async", **PATH_CONFIG[path])  # type: ignore[arg-type]
     for f in flaky:
-        f.read_delay_s = 0.3
+        f.hold_reads()  # the tier answers only once the test lets it
     assert b.admit_async(FakeRequest("B-0", prompt)) == 128
     res = b.step()
     assert not res.finished_recving
+    wait_until(lambda: sum(f.loads_in_flight for f in flaky) >= 1, "B's read reached the tier")
     b.abort_waiting("B-0")  # the client disconnects while the load is in flight
     res = b.step()
     assert res.finished_recving == {"B-0"}  # reported at once, so vLLM frees the blocks
     assert b.worker.stats["loads_aborted"] == 1
     freed = snapshot(b.kv)
-    time.sleep(0.8)  # the read that was in flight completes: nothing of it may reach the freed blocks
+    for f in flaky:
+        f.release_reads()  # the read that was in flight completes: nothing of it may reach the freed blocks
+    reads_returned(b, flaky)
     assert changed_blocks(freed, b.kv) == set()
     res = b.step()  # a late completion is not reported twice, and the engine keeps serving
     assert res.finished_recving == set()
     assert _settled(b, inner)
-    for f in flaky:
-        f.read_delay_s = 0.0
     assert b.admit_async(FakeRequest("B-1", prompt)) == 128
     res = _run_until_loaded(b, "B-1")
     assert res.invalid_block_ids == set()
@@ -201,17 +216,20 @@ def test_case_C11_abort_during_async_load_frees_everything_and_writes_nothing_af
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("path", ["bank", "direct"])
 @pytest.mark.parametrize("mode", ["async", "pipelined"])
-def test_case_C21_frozen_tier_gives_up_at_the_deadline_and_the_prompt_is_recomputed(mode: str, path: str) -> None:
-    deadline_s, backend_s = 0.2, 0.5
+def test_case_C21_frozen_tier_gives_up_at_the_deadline_and_the_prompt_is_recomputed(mode: str, path: str,
+                                                                                      monkeypatch) -> None:
+    deadline_s = 0.2
     inner = shard_backends(1, 1)
     prompt = prompt_tokens(150, seed=60)
     a, _ = produce(inner, prompt)
     flaky = wrap(inner, path)
     b = Engine(flaky, seed=61, load_mode=mode, load_deadline_s=deadline_s,  # type: ignore[arg-type]
-               backend_timeout_s=backend_s)
+               backend_timeout_s=WIDE_S)
     for f in flaky:
-        f.read_hang_s = backend_s  # one key answers only after a very long delay
-    t0 = time.monotonic()
+        f.hold_reads()  # frozen: the tier answers nothing until the test releases it, then a timeout error
+        f.read_hang_s = 0.0
+    jobs = record_load_jobs(monkeypatch)
+    before = time.monotonic()
     if mode == "async":
         assert b.admit_async(FakeRequest("B-0", prompt)) == 128
         dst = list(b.waiting_for_kv["B-0"].block_ids)
@@ -220,14 +238,17 @@ def test_case_C21_frozen_tier_gives_up_at_the_deadline_and_the_prompt_is_recompu
         assert b.admit(FakeRequest("B-0", prompt)) == 128
         dst = list(b.running["B-0"].block_ids)
         res = b.step(forward=False)
-    waited_s = time.monotonic() - t0
-    assert waited_s < deadline_s + backend_s + 0.3, f"held {waited_s:.2f} s past a {deadline_s} s deadline"
+    # The load was given load_deadline_s from its start, and gave up there by itself: the tier never answered it.
+    [(job, started)] = jobs
+    assert before + deadline_s <= job.deadline <= started + deadline_s
     assert res.invalid_block_ids == set(dst[:8])
     assert b.worker.stats["load_deadline_misses"] >= 1
     if mode == "async":
         assert b.resume_after_load("B-0", res.invalid_block_ids) == 0  # recomputed from the start
         b.step()
-    time.sleep(backend_s + 0.1)
+    for f in flaky:
+        f.release_reads()
+    reads_returned(b, flaky)
     assert _settled(b, inner)
     a.close()
     b.close()
@@ -235,9 +256,11 @@ def test_case_C21_frozen_tier_gives_up_at_the_deadline_and_the_prompt_is_recompu
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "pipelined"])
-def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: str) -> None:
+def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: str, monkeypatch) -> None:
     # No gate decides here (the mode is fixed), but the cost model's estimators still bound the load: its deadline is
-    # twice the expected load, at most the predicted recompute (load_deadline_s is left at 30 s).
+    # twice the expected load, at most the predicted recompute (load_deadline_s is left at 30 s). Checked as what the
+    # code decided: the plan's deadline, the deadline the worker gave the load job, and that the job ended there on its
+    # own (failed, a deadline miss) while the tier, now very slow, had not answered at all.
     from range_connector.cost.estimators import RateEstimator
     from range_connector.cost.model import PrefillRate
 
@@ -245,15 +268,20 @@ def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: st
     prompt = prompt_tokens(150, seed=64)
     a, _ = produce(inner, prompt)
     slow = wrap(inner)
-    b = Engine(slow, seed=65, load_mode=mode, min_load_deadline_s=0.05)  # type: ignore[arg-type]
+    # (a tier call deadline far past the hold: the engine's backstop for an asynchronous load that overran its own
+    # deadline, deadline + timeout_s, cannot be what ends this one)
+    b = Engine(slow, seed=65, load_mode=mode, min_load_deadline_s=0.05,  # type: ignore[arg-type]
+               backend_timeout_s=WIDE_S)
     recompute_s = 0.4
     b.sched.gate.rates = RateEstimator(PrefillRate.constant(128 / recompute_s))  # 128 tokens take 0.4 s to prefill
     # The tier was measured slowish (0.3 s per MiB: this load predicted at 0.27 s, so it is started; a tier predicted
-    # slower than the deadline is not loaded at all, see the next test); then it turns much slower.
+    # slower than the deadline is not loaded at all, see the next test); then it turns much slower: it answers only
+    # once the test lets it, after the load is over.
     b.sched.gate.tiers.observe("memory", 0, 1 << 20, 0.3)
     for f in slow:
-        f.read_delay_s = 3.0
-    t0 = time.monotonic()
+        f.hold_reads()
+    jobs = record_load_jobs(monkeypatch)
+    before = time.monotonic()
     if mode == "async":
         assert b.admit_async(FakeRequest("B-0", prompt)) == 128
         dst = list(b.waiting_for_kv["B-0"].block_ids)
@@ -263,11 +291,16 @@ def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: st
     (planned,) = b.sched._loads
     assert planned.deadline_s == pytest.approx(recompute_s, rel=0.01)  # 2 x expected is far longer: recompute wins
     res = _run_until_loaded(b, "B-0") if mode == "async" else b.step(forward=False)
-    waited_s = time.monotonic() - t0
-    assert waited_s < recompute_s + 0.5, f"a slow tier held the request {waited_s:.2f} s"
+    # The worker gave the load job the plan's deadline, counted from the load's start (not load_deadline_s) ...
+    [(job, started)] = jobs
+    assert before + planned.deadline_s <= job.deadline <= started + planned.deadline_s
+    # ... and the job gave up there by itself: every block failed, counted as a deadline miss, the tier still held.
     assert res.invalid_block_ids == set(dst[:8])
     assert b.worker.stats["load_deadline_misses"] >= 1
-    time.sleep(3.2)  # the hung reads return; their leases and banks come back
+    assert job.deadline_missed
+    for f in slow:
+        f.release_reads()  # the hung reads return; their leases and banks come back
+    reads_returned(b, slow)
     assert _settled(b, inner)
     a.close()
     b.close()
@@ -275,11 +308,13 @@ def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: st
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "pipelined"])
-def test_a_load_predicted_to_miss_its_deadline_is_not_started_and_the_tier_is_probed_instead(mode: str) -> None:
+def test_a_load_predicted_to_miss_its_deadline_is_not_started_and_the_tier_is_probed_instead(mode: str,
+                                                                                              monkeypatch) -> None:
     # The estimators believe the tier delivers 1 kB/s (clamped to 100 kB/s): loading the hit would take longer than its
     # deadline (bounded by the 0.4 s that recomputing it costs), so starting it could only make the request wait 0.4 s
     # and then recompute. The hit is not offered; one of its chunks is read in the background instead, and the tier, in
     # fact fast, is offered again once that timing is back. No request waited, nothing was written into the KV cache.
+    # (The probe is timed on a virtual clock: what the gate learns from it does not depend on this machine's load.)
     from range_connector.cost.estimators import RateEstimator
     from range_connector.cost.gate import CostGate, GateConfig
     from range_connector.cost.model import PrefillRate
@@ -288,6 +323,7 @@ def test_a_load_predicted_to_miss_its_deadline_is_not_started_and_the_tier_is_pr
     prompt = prompt_tokens(150, seed=66)
     a, _ = produce(inner, prompt)
     flaky = wrap(inner)
+    instant_probes(monkeypatch)
     b = Engine(flaky, seed=67, load_mode=mode, min_load_deadline_s=0.05)  # type: ignore[arg-type]
     assert b.sched.gate is not None
     b.sched.gate = CostGate("memory", 1, b.sched.gate.bytes_per_token, len(LAYERS), BLOCK, b.chunk_tokens,
@@ -296,21 +332,20 @@ def test_a_load_predicted_to_miss_its_deadline_is_not_started_and_the_tier_is_pr
     b.sched.gate.rates = RateEstimator(PrefillRate.constant(128 / 0.4))
     load_s, recompute_s = b.sched.gate.predict_s(0, 128)
     assert load_s > recompute_s == pytest.approx(0.4)
-    t0 = time.monotonic()
+    (f,) = flaky
+    f.hold_reads()
     assert b.admit(FakeRequest("B-0", prompt)) == 0  # not offered
     res = b.step(snapshots=True)
-    assert time.monotonic() - t0 < 2.0
     assert res.meta.loads == [] and len(res.meta.probes) == 1
     assert b.sched.stats["loads_not_started_late"] == 1 and b.sched.stats["late_load_probes"] == 1
-    deadline = time.monotonic() + 10
-    while not b.worker.stats["probes"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    (f,) = flaky
-    assert f.calls["read_ranges"] == 1  # the probe's one batched read, in the background
+    # The step came back before the probe's read was answered: the probe runs in the background.
+    wait_until(lambda: f.loads_in_flight == 1, "the probe's read reached the tier")
+    f.release_reads()
+    wait_until(lambda: b.worker.stats["probes"] == 1, "the probe ended")
+    assert f.calls["read_ranges"] == 1  # the probe's one batched read
     assert changed_blocks(res.before, res.after_load) == set()
     b.finish("B-0")
-    res2 = b.step(forward=False)
-    assert [t for r in (res, res2) if r.worker_meta is not None for t in r.worker_meta.probe_timings]
+    assert len(probe_timings_once_back(b, res)) == 1
     ext, _ = b.sched.get_num_new_matched_tokens(FakeRequest("B-1", prompt), 0)
     assert ext == 128  # the probe measured a fast tier: the hit is offered again
     assert b.sched.stats["loads_not_started_late"] == 1
@@ -375,36 +410,41 @@ def test_auto_mode_takes_a_hit_on_a_fast_tier_refuses_it_on_a_slow_one_and_learn
 
 
 @pytest.mark.timeout(60)
-def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast() -> None:
+def test_a_refused_tier_is_probed_in_the_background_and_taken_again_once_fast(monkeypatch) -> None:
     # The gate believes the tier delivers 1 kB/s (clamped to 100 kB/s; recomputing the hit: 0.26 s): it refuses, and
     # instead of making the request load a chunk to re-measure it, the worker reads one stored chunk in the background;
-    # the tier is in fact fast, so the probe's timing brings the hit back. No request waited for the probe, and nothing
-    # was written into the KV cache.
+    # the tier is in fact fast, so the probe's timing brings the hit back. No request waited for the probe (the step
+    # comes back while the probe's reads are held), and nothing was written into the KV cache. The probe is timed on a
+    # virtual clock (0.1 ms): whether its timing brings the hit back does not depend on how busy this machine is.
     from range_connector.cost.gate import CostGate, GateConfig
 
     inner = shard_backends(2, 2)
     prompt = prompt_tokens(150, seed=84)
     a, _ = produce(inner, prompt, num_shards=2)
     flaky = wrap(inner)
+    instant_probes(monkeypatch)
     b = Engine(flaky, num_shards=2, seed=85, load_mode="auto")  # type: ignore[arg-type]
     assert b.sched.gate is not None
     b.sched.gate = CostGate("memory", 2, b.sched.gate.bytes_per_token, len(LAYERS), BLOCK, b.chunk_tokens,
                             config=GateConfig(seed_bandwidth_bytes_per_s=1e3, seed_tokens_per_s=500.0,
                                               probe_interval_s=0.0, probe_every_refusals=1))
     req = FakeRequest("B-0", prompt)
+    for f in flaky:
+        f.hold_reads()
     assert b.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # refused (the probe is queued)
     assert b.admit(req) == 0
     res = b.step(snapshots=True)
     assert res.meta.probes and len(res.meta.probes[0]) == 2 and res.meta.loads == []
-    deadline = time.monotonic() + 10
-    while not b.worker.stats["probes"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert [f.calls["read_ranges"] for f in flaky] == [1, 1]  # one batched read per shard, in the background
-    assert b.worker.stats["probes"] == 1
+    # The step came back with the probe's reads (one per shard, at the same time) still held: in the background.
+    wait_until(lambda: [f.loads_in_flight for f in flaky] == [1, 1], "the probe's reads reached both shards")
+    assert b.worker.stats["probes"] == 0
+    for f in flaky:
+        f.release_reads()
+    wait_until(lambda: b.worker.stats["probes"] == 1, "the probe ended")
+    assert [f.calls["read_ranges"] for f in flaky] == [1, 1]  # one batched read per shard
     assert changed_blocks(res.before, res.after_load) == set()  # the probe wrote nothing into the KV cache
     b.finish("B-0")
-    res2 = b.step(forward=False)  # (the timing comes back with whichever step ends after the probe)
-    timings = [t for r in (res, res2) if r.worker_meta is not None for t in r.worker_meta.probe_timings]
+    timings = probe_timings_once_back(b, res)
     assert len(timings) == 1
     per_shard, seconds, complete = timings[0]
     assert complete and per_shard == b.chunk_tokens // BLOCK // 2 * LAYER_BLOCK_BYTES["dense"] * len(LAYERS)
@@ -433,49 +473,63 @@ def test_a_tier_that_cannot_pay_for_any_hit_is_neither_looked_up_nor_written_bet
     for i in (1, 2):  # the next two are neither looked up nor saved
         assert b.admit(FakeRequest(f"N-{i}", prompt_tokens(150, seed=90 + i))) == 0
         b.step()
-    assert b.worker.wait_for_saves(5.0)
+    assert b.worker.wait_for_saves(WIDE_S)
     assert (f.calls["get_tickets"], f.calls["write_stripe"]) == (lookups, writes)
     assert b.sched.stats["lookups_skipped_unprofitable"] == 2
     assert gate.stats.snapshot()["decisions_refused"] == 2  # still counted as refusals
     assert b.admit(FakeRequest("N-3", prompt_tokens(150, seed=93))) == 0  # a probe is due again: looked up
     b.step()
-    assert b.worker.wait_for_saves(5.0)
+    assert b.worker.wait_for_saves(WIDE_S)
     assert f.calls["get_tickets"] > lookups and f.calls["write_stripe"] > writes
     b.close()
 
 
 # ---------------------------------------------------------------------------------------------- slow tier, engine steps
-def _slow(backends, *, delay_s: float = 0.0, write_bandwidth: float = 0.0):
+def _slow(backends, *, delay_s: float = 0.0, write_bandwidth: float = 0.0, frozen: bool = False):
     from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
 
-    control = LatencyControl(TierLatency(delay_s=delay_s, bandwidth_bytes_per_s=write_bandwidth))
-    return [LatencyBackend(b, control, timeout_s=5.0) for b in backends], control
+    clock = StillClock()
+    control = LatencyControl(TierLatency(delay_s=delay_s, bandwidth_bytes_per_s=write_bandwidth, frozen=frozen),
+                             clock=clock)
+    return [LatencyBackend(b, control, timeout_s=5.0, sleep=lambda s: None) for b in backends], control, clock
 
 
 @pytest.mark.timeout(60)
 def test_async_saves_do_not_hold_the_step_and_are_reported_once_written() -> None:
-    # The tier writes at 100 kB/s (the 4 chunks below are 64 KiB: ~0.65 s): a synchronous save holds the step that
-    # long, an asynchronous one copies the blocks out and returns; the chunks are stored and reported later.
+    # The tier stops answering (frozen, on a clock that never reaches the calls' deadline): a synchronous save holds
+    # the step until the tier answers again; an asynchronous one copies the blocks out and the step returns while the
+    # write still waits; the chunks are stored and reported once written.
     prompt = prompt_tokens(150, seed=86)
-    timings = {}
     for mode in ("sync", "async"):
         inner = shard_backends(1, 1)
-        slow, _ = _slow(inner, write_bandwidth=1e5)
+        slow, control, clock = _slow(inner)
         eng = Engine(slow, seed=87, save_mode=mode)
         assert eng.admit(FakeRequest(f"{mode}-0", prompt)) == 0
-        t0 = time.monotonic()
-        res = eng.step()
-        timings[mode] = time.monotonic() - t0
+        control.update(frozen=True)
+        readings = clock.readings
+        stepper, out = in_background(eng.step)
+        # The step's save reached the tier and waits there (it reads the clock while it waits), nothing written yet.
+        wait_until(lambda: clock.readings >= readings + 3, "the save reached the frozen tier")
+        assert inner[0].used_bytes() == 0
         if mode == "sync":
+            assert stepper.is_alive() and out == []  # the step is held by its save
+            control.update(frozen=False)
+            stepper.join(WIDE_S)
+            assert not stepper.is_alive()
+            [res] = out
             assert res.worker_meta is not None and len(res.worker_meta.saved) == 4
         else:
+            stepper.join(WIDE_S)  # the step comes back while its save still waits for the tier
+            assert not stepper.is_alive() and inner[0].used_bytes() == 0
+            [res] = out
             assert res.worker_meta is None or not res.worker_meta.saved  # not written yet
-            assert eng.worker.wait_for_saves(10.0)
+            control.update(frozen=False)
+            assert eng.worker.wait_for_saves(WIDE_S)
             eng.finish(f"{mode}-0")
             res2 = eng.step(forward=False)
             assert res2.worker_meta is not None and len(res2.worker_meta.saved) == 4
+        assert inner[0].used_bytes() > 0
         eng.close()
-    assert timings["sync"] > 0.2 and timings["async"] < timings["sync"] / 2
     # Another engine finds the chunks written in the background.
     b = Engine(inner, seed=88)
     assert b.sched.get_num_new_matched_tokens(FakeRequest("B-0", prompt), 0) == (128, False)
@@ -485,31 +539,40 @@ def test_async_saves_do_not_hold_the_step_and_are_reported_once_written() -> Non
 @pytest.mark.timeout(60)
 def test_async_saves_past_the_backlog_are_skipped_and_counted() -> None:
     inner = shard_backends(1, 1)
-    slow, _ = _slow(inner, write_bandwidth=1e5)
+    slow, _, _ = _slow(inner, write_bandwidth=1e5)
     eng = Engine(slow, seed=89, save_mode="async", save_backlog_bytes=1024)  # less than one stripe
     assert eng.admit(FakeRequest("A-0", prompt_tokens(150, seed=90))) == 0
     eng.step()
-    assert eng.worker.stats["saves_skipped_backlog"] == 1 and eng.worker.wait_for_saves(1.0)
+    assert eng.worker.stats["saves_skipped_backlog"] == 1 and eng.worker.wait_for_saves(WIDE_S)
     assert eng.worker.saver.backlog_bytes == 0
     eng.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_slow_lookup_lets_the_engine_run_other_requests() -> None:
-    # Each round trip to the tier takes 0.3 s; with lookup_wait_s 0 the scheduler does not wait: the request is
-    # asked again later (vLLM's None), its lookup still running, and gets its hit once the lookup is back.
+    # The tier does not answer (frozen, on a clock that never reaches the call's deadline) until the test says; with
+    # lookup_wait_s 0 the scheduler does not wait: the request is asked again later (vLLM's None), its lookup still
+    # running, and gets its hit once the lookup is back.
     inner = shard_backends(1, 1)
     prompt = prompt_tokens(150, seed=91)
     a, _ = produce(inner, prompt)
-    slow, _ = _slow(inner, delay_s=0.3)
+    slow, control, _ = _slow(inner, frozen=True)
     b = Engine(slow, seed=92, lookup_wait_s=0.0)
     req = FakeRequest("B-0", prompt)
-    t0 = time.monotonic()
-    assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    assert time.monotonic() - t0 < 0.1  # did not wait for the tier
-    time.sleep(0.5)
-    assert b.sched.get_num_new_matched_tokens(req, 0) == (128, False)
-    assert b.sched.stats["lookups_pending"] == 1
+    asker, out = in_background(lambda: b.sched.get_num_new_matched_tokens(req, 0))
+    asker.join(WIDE_S)  # did not wait for the tier, which has not answered
+    assert not asker.is_alive() and out == [(None, False)]
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # asked again: still running
+    control.update(frozen=False)
+    answers = []
+    end = time.monotonic() + WIDE_S
+    while not answers or answers[-1] == (None, False):
+        assert time.monotonic() < end, "the lookup never came back"
+        answers.append(b.sched.get_num_new_matched_tokens(req, 0))
+        time.sleep(0.005)
+    assert answers[-1] == (128, False)
+    assert b.sched.stats["lookups_pending"] == 2 + len(answers) - 1  # every "not yet", none for the hit
+    assert b.sched.stats["lookups"] == 1  # one lookup, answered once
     a.close()
     b.close()
 

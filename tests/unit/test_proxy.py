@@ -245,7 +245,7 @@ def test_a_client_leaving_mid_stream_frees_the_decode_call(make_stack) -> None:
     stack.decodes[0].behaviour.num_chunks, stack.decodes[0].behaviour.chunk_delay_s = 20, 0.1
     with stack.client.stream("POST", stack.url("/v1/completions"), json={**COMPLETION, "stream": True}) as response:
         assert next(response.iter_raw()).startswith(b"data: ")
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 30.0  # (only a hang takes that long)
     while stack.status()["outcomes"]["client_disconnected"] != 1:
         assert time.monotonic() < deadline, "the proxy did not notice the client leaving"
         time.sleep(0.05)
@@ -256,11 +256,12 @@ def test_a_client_leaving_mid_stream_frees_the_decode_call(make_stack) -> None:
 
 
 def test_a_slow_prefill_answers_504_and_the_proxy_serves_on(make_stack) -> None:
+    # The prefill would answer after 15 s (far past the 0.3 s timeout, within the client's 20 s): a 504 can only be
+    # the proxy's own timeout, which the error names.
     stack = make_stack(prefill_timeout_s=0.3)
-    stack.prefills[0].behaviour.answer_delay_s = 1.5
-    started = time.monotonic()
+    stack.prefills[0].behaviour.answer_delay_s = 15.0
     response = stack.post("/v1/completions", COMPLETION)
-    assert response.status_code == 504 and time.monotonic() - started < 1.2
+    assert response.status_code == 504
     error = response.json()["error"]
     assert error["type"] == "GatewayTimeoutError" and "prefill" in error["message"] and "0.3 s" in error["message"]
     assert stack.decodes[0].requests == []
@@ -271,7 +272,7 @@ def test_a_slow_prefill_answers_504_and_the_proxy_serves_on(make_stack) -> None:
 
 def test_a_decode_stalling_mid_stream_ends_the_stream_with_a_504_event(make_stack) -> None:
     stack = make_stack(decode_timeout_s=0.3)
-    stack.decodes[0].behaviour.chunk_delay_s = 1.5
+    stack.decodes[0].behaviour.chunk_delay_s = 15.0  # (far past the timeout: only the proxy's timeout can end it)
     response, raw = stack.stream("/v1/completions", {**COMPLETION, "stream": True})
     events = sse_events(raw)
     assert response.status_code == 200 and json.loads(events[0])["choices"][0]["text"] == "d0-t0 "

@@ -2,16 +2,18 @@
 ``backend_retry_s`` before it is asked again.
 
 Driven through the engine-less harness (:mod:`tests.unit.scheduler_worker_harness`), with failures injected by
-``FlakyBackend``.
+``FlakyBackend``. The back-off windows are read on a virtual clock (:func:`virtual_monotonic`): a busy machine can
+neither end one early nor make a test sleep it out.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+import range_connector.scheduler.lookup as lookup_module
+import range_connector.worker.saves as saves_module
 from range_connector.errors import BackendError, BackendTimeoutError
+from tests.unit.clocks import virtual_monotonic
 from tests.unit.scheduler_worker_harness import (
     Engine,
     FakeRequest,
@@ -28,8 +30,10 @@ from tests.unit.scheduler_worker_harness import (
 # ---------------------------------------------------------------------------------------------------- save failure
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("num_shards", "failing_shard"), [(1, 0), (2, 1)])
-def test_save_error_skips_the_shard_for_backend_retry_s_then_resumes(num_shards: int, failing_shard: int) -> None:
+def test_save_error_skips_the_shard_for_backend_retry_s_then_resumes(num_shards: int, failing_shard: int,
+                                                                     monkeypatch) -> None:
     retry_s = 0.2
+    clock = virtual_monotonic(monkeypatch, saves_module)
     inner = shard_backends(num_shards, num_shards)
     flaky = [FlakyBackend(m, name=f"flaky-s{s}") for s, m in enumerate(inner)]
     eng = Engine(flaky, num_shards=num_shards, backend_retry_s=retry_s, seed=1)  # type: ignore[arg-type]
@@ -52,7 +56,11 @@ def test_save_error_skips_the_shard_for_backend_retry_s_then_resumes(num_shards:
     if num_shards == 2:  # the healthy shard keeps being written, one stripe per step
         assert flaky[0].calls["write_stripe"] == 2
 
-    time.sleep(retry_s * 1.5)
+    clock.advance(retry_s * 0.9)  # still down: skipped without asking
+    eng.admit(FakeRequest("r1b", prompt_tokens(70, seed=24)))
+    eng.step()
+    assert flaky[failing_shard].calls["write_stripe"] == writes and eng.worker.stats["saves_skipped"] == 2
+    clock.advance(retry_s * 0.2)  # retry_s after the failure: asked again
     p2 = prompt_tokens(70, seed=22)
     eng.admit(FakeRequest("r2", p2))
     s2 = eng.step()
@@ -72,7 +80,7 @@ def test_save_error_skips_the_shard_for_backend_retry_s_then_resumes(num_shards:
 @pytest.mark.parametrize("exc", [BackendError, BackendTimeoutError])
 @pytest.mark.parametrize(("num_shards", "failing_shard"), [(1, 0), (2, 1)])
 def test_lookup_error_is_a_miss_and_the_tier_is_not_asked_again_for_backend_retry_s(
-    num_shards: int, failing_shard: int, exc: type[BackendError]
+    num_shards: int, failing_shard: int, exc: type[BackendError], monkeypatch
 ) -> None:
     retry_s = 0.2
     inner = shard_backends(num_shards, num_shards)
@@ -81,6 +89,7 @@ def test_lookup_error_is_a_miss_and_the_tier_is_not_asked_again_for_backend_retr
     flaky = [FlakyBackend(m, name=f"flaky-s{s}") for s, m in enumerate(inner)]
     b = Engine(flaky, num_shards=num_shards, backend_retry_s=retry_s, seed=2)  # type: ignore[arg-type]
     flaky[failing_shard].fail_get_tickets = exc
+    clock = virtual_monotonic(monkeypatch, lookup_module)
 
     assert b.sched.get_num_new_matched_tokens(FakeRequest("B-0", prompt), 0) == (0, False)
     assert b.sched.stats["lookup_errors"] == 1
@@ -88,10 +97,11 @@ def test_lookup_error_is_a_miss_and_the_tier_is_not_asked_again_for_backend_retr
     flaky[failing_shard].fail_get_tickets = None
     for i in range(5):
         assert b.sched.get_num_new_matched_tokens(FakeRequest(f"B-{i + 1}", prompt), 0) == (0, False)
+        clock.advance(retry_s * 0.9 / 5)  # (all of them within retry_s of the failure)
     assert sum(f.calls["get_tickets"] for f in flaky) == calls
     assert b.sched.stats["lookups_skipped"] == 5
 
-    time.sleep(retry_s * 1.5)
+    clock.advance(retry_s * 0.2)  # retry_s after the failure
     assert b.sched.get_num_new_matched_tokens(FakeRequest("B-9", prompt), 0) == (128, False)
     assert sum(f.calls["get_tickets"] for f in flaky) == calls + num_shards  # one ticket read per shard
     a.close()

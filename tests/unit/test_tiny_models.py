@@ -1,4 +1,4 @@
-"""Tests of range_connector.testing.tiny_models: build speed, caching, sizes, tokenizer (no vLLM)."""
+"""Tests of range_connector.testing.tiny_models: building, caching, sizes, tokenizer (no vLLM)."""
 
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ def built(cache_dir: pathlib.Path) -> dict[tuple[str, str], tuple[pathlib.Path, 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("kind", "size"), ALL_MODELS)
-def test_builds_fast_with_intended_sizes(built, kind: str, size: str) -> None:
-    path, seconds = built[(kind, size)]
+def test_builds_with_intended_sizes(built, kind: str, size: str) -> None:
+    # (how fast a build is, is not asserted: a busy machine can make any bound fail; the timeout catches a hang)
+    path, _ = built[(kind, size)]
     arch, layers, kv_bytes = EXPECTED[(kind, size)]
-    assert seconds < 60, f"{kind}/{size} took {seconds:.1f} s to build"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (path / name).is_file(), name
     assert kind in path.name and size in path.name and f"v{tiny_models.FORMAT_VERSION}" in path.name
@@ -70,12 +70,15 @@ def test_builds_fast_with_intended_sizes(built, kind: str, size: str) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("kind", "size"), ALL_MODELS)
-def test_second_call_reuses_cache(built, cache_dir: pathlib.Path, kind: str, size: str) -> None:
+def test_second_call_reuses_cache(built, cache_dir: pathlib.Path, kind: str, size: str, monkeypatch) -> None:
     path, _ = built[(kind, size)]
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    t0 = time.perf_counter()
+
+    def no_build(*args, **kwargs):  # (what a cached call must not do, checked instead of how long it took)
+        raise AssertionError("a cached model was built again")
+
+    monkeypatch.setattr(tiny_models, "_write_model", no_build)
     again = build_model(kind, size, cache_dir=cache_dir)
-    assert time.perf_counter() - t0 < 0.5
     assert again == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
