@@ -158,8 +158,6 @@ class GatedBackend(Backend):
         #: called with ``"read"`` or ``"write"`` after the valve, before the real call (it may hold the call:
         #: :class:`tests.scheduler.stress.StepDelays`)
         self.delay: Callable[[str], None] | None = None
-        #: called with the reads of each ``read_ranges`` call that returned (their bytes landed)
-        self.after_read: Callable[[Sequence[RangeRead]], None] | None = None
 
     def _pass(self, valve: Valve, what: str) -> None:
         valve.pass_through()
@@ -180,10 +178,7 @@ class GatedBackend(Backend):
         if self.fail_reads > 0:
             self.fail_reads -= 1
             raise BackendError(f"{self.name}: injected read failure")
-        found = self.inner.read_ranges(reads)
-        if self.after_read is not None:
-            self.after_read(reads)
-        return found
+        return self.inner.read_ranges(reads)
 
     def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
         self._pass(self.reads, "read")

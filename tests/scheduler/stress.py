@@ -29,6 +29,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from range_connector.errors import BackendTimeoutError
 from range_connector.kv.namespace import ChunkHash
+from range_connector.worker.direct_receive import WriteGate
 from range_connector.worker.loads import LoadJob
 from tests.scheduler.real_scheduler import CHUNK_TOKENS, WIDE_S, RealEngine, prompt
 
@@ -132,10 +133,10 @@ class CopyTracker:
     step that is running (planned by ``schedule()``, not yet run by the worker: a request aborted in the middle of
     a step) until the worker ran it.
 
-    It also watches the asynchronous loads that were in flight when vLLM freed their request's blocks: any byte
-    they write into the KV cache after that (a read straight into the KV cache that returned, through the tier's
-    ``after_read``; a copy out of a bank, through ``LoadJob._copy``) is a late write, whether or not a request reads
-    those blocks later.
+    It also watches the asynchronous loads that were in flight when vLLM freed their request's blocks: any write
+    of theirs into the KV cache that begins after that (a direct receive entering the job's ``WriteGate``, a copy
+    out of a bank in ``LoadJob._copy``: :meth:`wrote`, called by :func:`run_stress`) is a late write, whether or not
+    a request reads those blocks later.
 
     Attributes:
         at_free: ``{"load": n, "save": n, "step": n}``: frees of a request's blocks with such a copy in flight.
@@ -189,7 +190,6 @@ class CopyTracker:
         worker.start_load, worker.save, worker.saver.take_saved = start_load, save, take_saved
         lookup.learn = learn
         eng.on_free.append(self._on_free)
-        eng.gate.after_read = self._after_read
 
     def _on_free(self, request: Request, block_ids: list[int]) -> None:
         req_id = request.request_id
@@ -208,18 +208,14 @@ class CopyTracker:
             if any(r.req_id == req_id for r in (*plan.loads, *plan.saves)):
                 self.at_free["step"] += 1
 
-    def _after_read(self, reads: Any) -> None:
-        for read in reads:
-            job = self._by_gate.get(id(getattr(read.dest, "gate", None)))
-            if job is not None and id(job) in self._freed:
-                self.late_writes.append(f"a read of stripe {read.stripe_id} landed in the blocks of "
-                                        f"{self._freed[id(job)][1]} after vLLM freed them")
+    def wrote(self, job: LoadJob | None, how: str) -> None:
+        """A write of ``job`` into the KV cache begins (``how``: a receive, a bank copy)."""
+        if job is not None and id(job) in self._freed:
+            self.late_writes.append(f"{how} began in the blocks of {self._freed[id(job)][1]} after vLLM freed them")
 
-    def copied(self, job: LoadJob) -> None:
-        """``LoadJob._copy`` is about to copy a bank into the KV cache."""
-        if id(job) in self._freed:
-            self.late_writes.append(f"a bank was copied into the blocks of {self._freed[id(job)][1]} after vLLM "
-                                    "freed them")
+    def gate_job(self, gate: WriteGate) -> LoadJob | None:
+        """The asynchronous load whose write gate this is."""
+        return self._by_gate.get(id(gate))
 
     def check(self) -> None:
         """Raises:
@@ -331,11 +327,16 @@ def run_stress(eng: RealEngine, seed: int, workload: Workload, delays: StepDelay
     """
     tracker = CopyTracker(eng)
     eng.gate.delay = delays
-    real_copy, real_wait_for_layer, real_drain = LoadJob._copy, eng.worker.wait_for_layer, eng.runner._drain
+    real_copy, real_enter = LoadJob._copy, WriteGate.__enter__
+    real_wait_for_layer, real_drain = eng.worker.wait_for_layer, eng.runner._drain
 
     def copy(job: LoadJob, *args: Any) -> None:
-        tracker.copied(job)
+        tracker.wrote(job, "a bank copy")
         real_copy(job, *args)
+
+    def enter(gate: WriteGate) -> None:
+        real_enter(gate)  # (raises once the job closed its gate)
+        tracker.wrote(tracker.gate_job(gate), "a receive")
 
     def wait_for_layer(layer_name: str) -> None:
         job = eng.worker._step_job
@@ -346,7 +347,7 @@ def run_stress(eng: RealEngine, seed: int, workload: Workload, delays: StepDelay
     eng.worker.wait_for_layer = wait_for_layer  # type: ignore[method-assign]
     eng.runner._drain = drain_unless_held(eng, delays)  # type: ignore[method-assign]
     try:
-        with mock.patch.object(LoadJob, "_copy", copy):
+        with mock.patch.object(LoadJob, "_copy", copy), mock.patch.object(WriteGate, "__enter__", enter):
             report, prompts = _drive(eng, seed, workload, delays, tracker)
             # Everything settles: the held calls go through, the background writes end.
             delays.release_all()
