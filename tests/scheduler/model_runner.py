@@ -15,7 +15,8 @@ byte-identical. "Attention" checks it: in every step, for every scheduled reques
 ``wait_for_layer_load`` returned, the KV of all the tokens the request has computed must be exactly those bytes;
 otherwise it raises :class:`KVMismatch` (an ``AssertionError``). KV computed on top of wrong KV is tainted, as a
 real model's would be, so a chunk saved from it is caught when it is loaded. Wrong KV is excused only at or after
-the first block the worker reported as a load error, until vLLM rewinds the request (it recomputes from there).
+the first block the worker reported as a load error, until vLLM rewinds the request (it recomputes from there, or,
+for a request that shares a failed block with another one, from its tokens before the failed step).
 """
 
 from __future__ import annotations
@@ -96,12 +97,23 @@ class RunnerRequest:
     seeds: list[int] = field(default_factory=list)
     #: the first token of a block reported as a load error, until vLLM rewinds the request to it
     suspect_from: int | None = None
+    #: :func:`kv_bits` of the first tokens, extended as the request grows (each token's KV is its own prefix's)
+    kv: torch.Tensor | None = None
 
     def seeds_through(self, n: int) -> list[int]:
         if len(self.seeds) < n:
             self.seeds += prefix_seeds(self.token_ids[:n], len(self.seeds),
                                        self.seeds[-1] if self.seeds else 0x2545F491)
         return self.seeds[:n]
+
+    def kv_through(self, n: int) -> torch.Tensor:
+        """``kv_bits(self.seeds_through(n))``, computed once per token."""
+        have = 0 if self.kv is None else self.kv.shape[0]
+        if n > have:
+            new = kv_bits(self.seeds_through(n)[have:])
+            self.kv = new if self.kv is None else torch.cat([self.kv, new])
+        assert self.kv is not None
+        return self.kv[:n]
 
 
 class FakeModelRunner:
@@ -155,9 +167,13 @@ class FakeModelRunner:
                 self.requests[req_id] = r
                 continue
             r = self.requests[req_id]
+            rewound = cached.num_computed_tokens[i] < r.num_computed_tokens
             r.num_computed_tokens = cached.num_computed_tokens[i]
-            if r.suspect_from is not None and r.num_computed_tokens <= r.suspect_from:
-                r.suspect_from = None  # vLLM rewound the request: it recomputes from there
+            if r.suspect_from is not None and (rewound or r.num_computed_tokens <= r.suspect_from):
+                # vLLM rewound the request: it recomputes from there (a request that shares a failed block with
+                # one vLLM makes recompute it only drops the tokens of the failed step: Scheduler.
+                # _update_requests_with_invalid_blocks)
+                r.suspect_from = None
             if new_ids:
                 r.block_ids.extend(new_ids[0])
 
@@ -165,23 +181,27 @@ class FakeModelRunner:
         pos = torch.arange(start, end)
         return torch.tensor(r.block_ids, dtype=torch.long)[pos // BLOCK_SIZE], pos % BLOCK_SIZE
 
-    def _attention(self, layer_idx: int, r: RunnerRequest, expected: torch.Tensor, num_new: int,
-                   tainted: bool) -> int | None:
-        """Check the request's computed KV in one layer, then write the KV of its new tokens (``tainted``: computed
-        on top of wrong KV in an earlier layer, so not the prefix's KV); returns the first position whose KV was
-        wrong, if any."""
-        kv16 = self.buffer[layer_idx]
+    def _write_new(self, layer_idx: int, r: RunnerRequest, expected: torch.Tensor, num_new: int,
+                   tainted: bool) -> None:
+        """Write the KV of the request's new tokens in one layer (``tainted``: computed on top of wrong KV in an
+        earlier layer, so not the prefix's KV)."""
         start = r.num_computed_tokens
-        first_bad = None
-        if start:
-            blocks, slots = self._slots(r, 0, start)
-            wrong = (kv16[blocks, :, slots, :] != expected[:start, layer_idx]).flatten(1).any(1)
-            if bool(wrong.any()):
-                first_bad = int(wrong.nonzero()[0])
         blocks, slots = self._slots(r, start, start + num_new)
         new = expected[start:start + num_new, layer_idx]
-        kv16[blocks, :, slots, :] = new ^ TAINT if tainted else new
-        return first_bad
+        self.buffer[layer_idx][blocks, :, slots, :] = new ^ TAINT if tainted else new
+
+    def _check(self, layer_idx: int, r: RunnerRequest, expected: torch.Tensor) -> int | None:
+        """Check the request's computed KV in one layer; returns the first position whose KV was wrong, if any."""
+        start = r.num_computed_tokens
+        if not start:
+            return None
+        num = -(-start // BLOCK_SIZE)
+        got = self.buffer[layer_idx].index_select(0, torch.tensor(r.block_ids[:num], dtype=torch.long)).transpose(
+            1, 2).reshape(num * BLOCK_SIZE, NUM_KV_HEADS, 2 * HEAD_SIZE)[:start]
+        want = expected[:start, layer_idx]
+        if torch.equal(got, want):
+            return None
+        return int((got != want).flatten(1).any(1).nonzero()[0])
 
     def _drain(self) -> None:
         if not self.drain_async_loads or self.reads_held():
@@ -210,12 +230,16 @@ class FakeModelRunner:
             expected = {}
             for req_id, n in so.num_scheduled_tokens.items():
                 r = self.requests[req_id]
-                expected[req_id] = kv_bits(r.seeds_through(r.num_computed_tokens + n))
+                expected[req_id] = r.kv_through(r.num_computed_tokens + n)
             for layer_idx, name in enumerate(LAYER_NAMES):
                 c.wait_for_layer_load(name)  # attention of layer l waits for layer l's load
+                # As vLLM's attention layers do: the batch's new KV is written into the cache, then attention reads
+                # (a block that vLLM's prefix cache shares is then seen as another request wrote it in this layer).
                 for req_id, n in so.num_scheduled_tokens.items():
-                    bad = self._attention(layer_idx, self.requests[req_id], expected[req_id], n,
-                                          tainted=req_id in first_bad)
+                    self._write_new(layer_idx, self.requests[req_id], expected[req_id], n,
+                                    tainted=req_id in first_bad)
+                for req_id in so.num_scheduled_tokens:
+                    bad = self._check(layer_idx, self.requests[req_id], expected[req_id])
                     if bad is not None:
                         first_bad[req_id] = min(bad, first_bad.get(req_id, bad))
                 c.save_kv_layer(name, self.kv[name], None)

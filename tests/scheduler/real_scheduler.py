@@ -6,7 +6,8 @@ that version's:
 
 * ``VllmConfig`` from the tiny GQA model's ``ModelConfig`` (:func:`range_connector.testing.tiny_models.build_model`,
   loaded from its local directory: nothing is downloaded), a ``SchedulerConfig`` (chunked prefill), a
-  ``CacheConfig`` (block 16; vLLM's own prefix cache off, so every hit is the connector's),
+  ``CacheConfig`` (block 16; vLLM's own prefix cache off unless asked for, so every hit is the connector's;
+  requests carry their block hashes, as ``EngineCore`` makes them),
   ``KVTransferConfig(kv_connector="RangeConnector", kv_role=..., kv_load_failure_policy="recompute")`` and
   ``DeviceConfig("cpu")``.
 * A ``KVCacheConfig`` with the model's one full-attention group (4 layers, 2 KV heads of 64, bf16) and a small
@@ -18,7 +19,8 @@ that version's:
   request that stops, inside ``update_from_output`` at L2230, before that step's ``update_connector_output`` at
   L2330 -> L3219).
 * Range's worker half: ``RangeConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)``, whose backends are
-  wrapped at the boundary by :class:`GatedBackend` (it holds reads or writes until the test lets them through),
+  wrapped at the boundary by :class:`GatedBackend` (it holds reads or writes until the test lets them through, or
+  for as many steps as its ``delay`` says: :class:`tests.scheduler.stress.StepDelays`),
   registered on KV tensors shaped as vLLM's CPU attention hands them: ``[num_blocks, num_kv_heads, block_size,
   2 * head_size]`` views of one layer-major buffer.
 * :class:`~tests.scheduler.model_runner.FakeModelRunner` (``model_runner.py``) plays the model runner and the
@@ -55,6 +57,8 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -151,25 +155,33 @@ class GatedBackend(Backend):
         self.fail_writes = False
         #: the next this many reads fail as an unreachable tier does (transient: the tickets are kept)
         self.fail_reads = 0
+        #: called with ``"read"`` or ``"write"`` after the valve, before the real call (it may hold the call:
+        #: :class:`tests.scheduler.stress.StepDelays`)
+        self.delay: Callable[[str], None] | None = None
+
+    def _pass(self, valve: Valve, what: str) -> None:
+        valve.pass_through()
+        if self.delay is not None:
+            self.delay(what)
 
     def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self.inner.get_tickets(keys)
 
     def write_stripe(self, write: StripeWrite) -> bool:
-        self.writes.pass_through()
+        self._pass(self.writes, "write")
         if self.fail_writes:
             raise BackendError(f"{self.name}: injected write failure")
         return self.inner.write_stripe(write)
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> list[bool]:
-        self.reads.pass_through()
+        self._pass(self.reads, "read")
         if self.fail_reads > 0:
             self.fail_reads -= 1
             raise BackendError(f"{self.name}: injected read failure")
         return self.inner.read_ranges(reads)
 
     def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
-        self.reads.pass_through()
+        self._pass(self.reads, "read")
         return self.inner.view_stripes(stripe_ids)
 
     def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
@@ -203,9 +215,10 @@ def tiny_model_config() -> ModelConfig:
 
 
 def make_vllm_config(tier_dir: Path, *, kv_role: str = "kv_both", max_num_batched_tokens: int = 256,
-                     max_num_seqs: int = 8, **range_config: Any) -> VllmConfig:
+                     max_num_seqs: int = 8, prefix_caching: bool = False, **range_config: Any) -> VllmConfig:
     """A ``VllmConfig`` with ``RangeConnector`` on a file tier in ``tier_dir``; ``range_config`` adds or overrides
-    keys of ``kv_connector_extra_config``. Every deadline is :data:`WIDE_S` (tests never race a clock)."""
+    keys of ``kv_connector_extra_config``. Every deadline is :data:`WIDE_S` (tests never race a clock).
+    ``prefix_caching``: vLLM's own prefix cache (off by default, so that every hit is the connector's)."""
     extra = {"tiers": [{"type": "file", "directory": str(tier_dir), "timeout_s": WIDE_S}],
              "runtime_dir": str(tier_dir / "runtime"), "chunk_tokens": CHUNK_TOKENS, "load_deadline_s": WIDE_S,
              "min_load_deadline_s": WIDE_S, "lookup_wait_s": WIDE_S, "lease_ttl_s": 10 * WIDE_S, **range_config}
@@ -214,7 +227,7 @@ def make_vllm_config(tier_dir: Path, *, kv_role: str = "kv_both", max_num_batche
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(kv_connector="RangeConnector", kv_role=kv_role,
                                             kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
         device_config=DeviceConfig("cpu"))
@@ -265,8 +278,13 @@ class RealEngine:
     Attributes:
         hook_log: Range's scheduler hooks as vLLM called them, in order.
         freed: requests whose blocks vLLM returned to its pool, with how many times.
+        on_free: called with ``(request, block_ids)`` each time vLLM returns a request's blocks to its pool, before
+            it does.
+        num_preemptions: requests vLLM preempted (``Scheduler._preempt_request``).
+        executing: the step whose output vLLM has not processed yet, from ``schedule()`` until the worker ran it.
         vllm_hits, vllm_preempted_hits: the external hit tokens vLLM counted (``connector_prefix_cache_stats``),
             for requests admitted for the first time and for preempted ones.
+        local_hits: the tokens vLLM's own prefix cache supplied (``prefix_cache_stats``, preempted ones included).
     """
 
     def __init__(self, tier_dir: Path, *, num_blocks: int = 64, scatter: bool = True, overlap: bool = False,
@@ -281,6 +299,10 @@ class RealEngine:
         self.scheduler = scheduler_cls(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=BLOCK_SIZE, log_stats=True)
+        # (as EngineCore does with a connector: requests carry their block hashes, which vLLM's prefix cache needs)
+        hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
         open_backends = range_connector.spec.open_shard_backends
         self.backends: list[GatedBackend] = []
 
@@ -299,7 +321,10 @@ class RealEngine:
         self.step_idx = 0
         self.hook_log: list[HookCall] = []
         self.freed: Counter[str] = Counter()
-        self.vllm_hits = self.vllm_preempted_hits = 0
+        self.on_free: list[Callable[[Request, list[int]], None]] = []
+        self.num_preemptions = 0
+        self.executing: SchedulerOutput | None = None
+        self.vllm_hits = self.vllm_preempted_hits = self.local_hits = 0
         self.tokens: dict[str, list[int]] = {}
         self._spy()
 
@@ -364,34 +389,49 @@ class RealEngine:
 
         def free(request: Request) -> None:
             self.freed[request.request_id] += 1
+            if self.on_free:
+                block_ids = self.block_ids(request.request_id)
+                for listener in self.on_free:
+                    listener(request, block_ids)
             real_free(request)
         kcm.free = free  # type: ignore[method-assign]
+        real_preempt = self.scheduler._preempt_request
+
+        def preempt(request: Request, *args: Any, **kwargs: Any) -> None:
+            self.num_preemptions += 1
+            real_preempt(request, *args, **kwargs)
+        self.scheduler._preempt_request = preempt  # type: ignore[method-assign]
 
     # ---------------------------------------------------------------- driving
     def add(self, req_id: str, prompt_token_ids: list[int], max_tokens: int = 1,
             kv_transfer_params: dict[str, Any] | None = None) -> Request:
         extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
         request = Request(req_id, list(prompt_token_ids), SamplingParams(max_tokens=max_tokens, extra_args=extra),
-                          None)
+                          None, block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         self.tokens[req_id] = []
         return request
 
-    def abort(self, *req_ids: str) -> None:
-        """A client abort: ``finish_requests(..., FINISHED_ABORTED)`` (between steps or in the middle of one)."""
-        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+    def abort(self, *req_ids: str) -> int:
+        """A client abort: ``finish_requests(..., FINISHED_ABORTED)`` (between steps or in the middle of one);
+        returns how many of the requests vLLM still held unfinished."""
+        return len(self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
 
-    def step(self, *, abort_after_schedule: Sequence[str] = ()) -> StepRecord | None:
+    def step(self, *, abort_after_schedule: Sequence[str] | Callable[[SchedulerOutput], Sequence[str]] = ()
+             ) -> StepRecord | None:
         """``EngineCore.step`` (or, with ``overlap``, ``step_with_batch_queue``): schedule, run the worker, update
         from its output. ``abort_after_schedule``: requests aborted while the step runs (after ``schedule()``,
-        before ``update_from_output()``). Returns what was updated (``None``: with ``overlap``, a step was scheduled
-        and run, and no output was processed)."""
+        before ``update_from_output()``), or a function of the step's schedule that names them. Returns what was
+        updated (``None``: with ``overlap``, a step was scheduled and run, and no output was processed)."""
         self.step_idx += 1
         if self.scheduler.has_requests():
             so = self.scheduler.schedule()
-            if abort_after_schedule:
-                self.abort(*abort_after_schedule)
+            self.executing = so
+            aborted = abort_after_schedule(so) if callable(abort_after_schedule) else abort_after_schedule
+            if aborted:
+                self.abort(*aborted)
             output = self.aggregator.aggregate([self.runner.execute_model(so)])
+            self.executing = None
             assert output is not None
             self.batch_queue.appendleft((so, output))
             if len(self.batch_queue) < self.batch_queue_size and (
@@ -411,6 +451,9 @@ class RealEngine:
             if stats is not None:
                 self.vllm_hits += stats.hits
                 self.vllm_preempted_hits += stats.preempted_hits
+            local = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats else None
+            if local is not None:
+                self.local_hits += local.hits + local.preempted_hits
         return StepRecord(self.step_idx, so, output.kv_connector_output, finished)
 
     def run(self, until: Callable[[], bool] | None = None, max_steps: int = 300) -> list[StepRecord]:
