@@ -126,6 +126,8 @@ class PrefixLookup:
         def one(shard_idx: int) -> list[tuple[Ticket | tuple[Ticket, ...], ...]]:
             keys = [ticket_key(h, shard_idx, head) for h in chunk_hashes for head in heads]
             raws = backends[shard_idx].get_tickets(keys)
+            if len(raws) != len(keys):  # (a tier that answers for other keys than it was asked: nothing is trusted)
+                return []
             found = []
             for c in range(len(chunk_hashes)):
                 covering = [Ticket.decode_covering(raws[c * len(heads) + i], num_layers=self.num_layers,

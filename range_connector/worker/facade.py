@@ -109,8 +109,6 @@ class RangeWorker:
         self._failed_block_ids: set[int] = set()
         self._dropped: list[ChunkHash] = []
         self._loaded_reqs: list[str] = []
-        # req_id -> first chunk whose load failed in this step: the forward computes on top of it, so nothing from
-        # there on may be saved in this step (vLLM recomputes those blocks and they are saved then).
         #: req_id -> ``(step, chunk_idx)`` of each load of it that failed here: a save planned before the scheduler
         #: learnt of a failure (RequestTransfer.failures_learnt_through) skips the chunks from the failed one on
         self._failures: dict[str, list[tuple[int, int]]] = {}
