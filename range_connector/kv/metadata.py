@@ -58,6 +58,10 @@ class RequestTransfer:
             load of the request failed in a later step skips the chunks from the failed one on: they were computed
             on top of KV that never landed (with asynchronous scheduling, vLLM schedules and runs the next step
             before it processes the output that reports the failure).
+        prefix_block_ids: for saves, the request's blocks before the first chunk saved (its KV was computed on
+            top of them): a worker skips the save if one of them failed to load in a step whose report the
+            scheduler had not processed (:attr:`RangeConnectorMetadata.reports_learnt_through`), so that a request
+            that shares another's failed blocks through vLLM's prefix cache stores nothing computed on them.
     """
 
     req_id: str
@@ -68,12 +72,14 @@ class RequestTransfer:
     deadline_s: float | None = None
     confirm: bool = False
     failures_learnt_through: int = -1
+    prefix_block_ids: tuple[int, ...] = ()
 
 
 @dataclass
 class RangeConnectorMetadata:
     """Scheduler -> worker metadata of one engine step (``step_idx``: its place among the steps this scheduler
-    built, from 0)."""
+    built, from 0; ``reports_learnt_through``: the latest step whose worker report the scheduler had processed when
+    it built this one, -1 for none)."""
 
     loads: list[RequestTransfer] = field(default_factory=list)
     saves: list[RequestTransfer] = field(default_factory=list)
@@ -81,6 +87,7 @@ class RangeConnectorMetadata:
     #: (:mod:`range_connector.worker.probes`)
     probes: list[tuple[Ticket, ...]] = field(default_factory=list)
     step_idx: int = 0
+    reports_learnt_through: int = -1
 
 
 @dataclass

@@ -114,6 +114,7 @@ class RangeScheduler:
         #: req_id -> the latest step whose report told of a failed load of it (stamped on its saves)
         self._failures_learnt_through: dict[str, int] = {}
         self._step_idx = 0
+        self._reports_learnt_through = -1  # the latest step whose worker report update_connector_output processed
         self._lookups: dict[str, LookupResult] = {}
         self._loads: list[RequestTransfer] = []
         self._requests: dict[str, RequestState] = {}
@@ -256,7 +257,8 @@ class RangeScheduler:
     def build_connector_meta(self, scheduler_output: StepSchedule) -> RangeConnectorMetadata:
         """Collect this step's loads and the saves of chunks whose tokens are computed by the end of the step."""
         self.handoff.close_open()  # (should the last step have brought no connector output)
-        meta = RangeConnectorMetadata(loads=self._loads, probes=self.admission.take_probes(), step_idx=self._step_idx)
+        meta = RangeConnectorMetadata(loads=self._loads, probes=self.admission.take_probes(), step_idx=self._step_idx,
+                                      reports_learnt_through=self._reports_learnt_through)
         self._step_idx += 1
         self._loads = []
         self.admission.observe_step(scheduler_output)
@@ -277,9 +279,10 @@ class RangeScheduler:
                                  already_stored=stored)
                 save = self.handoff.plan_saves(state.req_id, first, state.num_saved_chunks, save)
                 if save is not None:
-                    learnt = self._failures_learnt_through.get(state.req_id, -1)
-                    meta.saves.append(dataclasses.replace(save, failures_learnt_through=learnt) if learnt >= 0
-                                      else save)
+                    prefix = tuple(state.block_ids[:save.chunks[0].chunk_idx * self.plan.blocks_per_chunk])
+                    meta.saves.append(dataclasses.replace(
+                        save, prefix_block_ids=prefix,
+                        failures_learnt_through=self._failures_learnt_through.get(state.req_id, -1)))
         return meta
 
     def update_connector_output(self, worker_meta: RangeWorkerMetadata | None,
@@ -298,6 +301,7 @@ class RangeScheduler:
         self.handoff.close_open()
 
     def _learn(self, worker_meta: RangeWorkerMetadata) -> None:
+        self._reports_learnt_through = max(self._reports_learnt_through, worker_meta.step_idx)
         self.handoff.learn(worker_meta.save_results)
         dropped = set(worker_meta.dropped)
         for req_id, chunk_idx in worker_meta.failed_loads:

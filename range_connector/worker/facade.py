@@ -112,6 +112,9 @@ class RangeWorker:
         #: req_id -> ``(step, chunk_idx)`` of each load of it that failed here: a save planned before the scheduler
         #: learnt of a failure (RequestTransfer.failures_learnt_through) skips the chunks from the failed one on
         self._failures: dict[str, list[tuple[int, int]]] = {}
+        #: block id -> the step in which a load into it failed here, until the scheduler has processed that step's
+        #: report (RangeConnectorMetadata.reports_learnt_through): a save computed on top of it is skipped
+        self._failed_blocks_at: dict[int, int] = {}
         #: the step of the metadata last started (RangeConnectorMetadata.step_idx)
         self.step_idx = -1
         self._failed_loads: list[tuple[str, int]] = []
@@ -345,6 +348,7 @@ class RangeWorker:
         failed = [b for c in req.chunks if c.chunk_idx >= chunk_idx for b in c.block_ids]
         self._failed_block_ids.update(failed)
         self._failures.setdefault(req.req_id, []).append((self.step_idx, chunk_idx))
+        self._failed_blocks_at.update((b, self.step_idx) for b in failed)
         self._failed_loads.append((req.req_id, chunk_idx))
         self.stats["failed_blocks"] += len(failed)
 
@@ -382,11 +386,20 @@ class RangeWorker:
         chunks = []  # (chunk_hash, block ids of the whole chunk)
         owners: list[tuple[str, int] | None] = []  # who waits for each chunk's outcome
         dropped: list[tuple[str, int] | None] = []
+        # Blocks whose load failed in a step the scheduler had not heard of when it planned these saves: KV computed
+        # on top of them (by their request, or by another that shares them through vLLM's prefix cache) is wrong.
+        known = meta.reports_learnt_through
+        self._failed_blocks_at = {b: step for b, step in self._failed_blocks_at.items() if step > known}
+        bad_blocks = self._failed_blocks_at.keys()
         for req in meta.saves:
             unknown = [c for step, c in self._failures.get(req.req_id, ()) if step > req.failures_learnt_through]
             failed_from = min(unknown) if unknown else None
+            if bad_blocks and not bad_blocks.isdisjoint(req.prefix_block_ids):
+                failed_from = -1
             for c in req.chunks:
                 owner = (req.req_id, c.chunk_idx) if req.confirm else None
+                if bad_blocks and failed_from is None and not bad_blocks.isdisjoint(c.block_ids):
+                    failed_from = c.chunk_idx
                 if failed_from is not None and c.chunk_idx >= failed_from:
                     self.stats["saves_dropped_after_failed_load"] += 1
                     dropped.append(owner)

@@ -186,15 +186,14 @@ def test_mutation_an_aborted_load_is_reported_before_it_stops(engine, monkeypatc
 STORED_TOKENS = 96
 
 
-@pytest.mark.xfail(strict=True, raises=KVMismatch, reason=(
-    "Range bug found by the stress test with read failures: the worker skips the saves of a request whose own "
-    "load failed, not of a request that vLLM's prefix cache made share the failed blocks in the same step"))
 def test_a_save_computed_on_blocks_shared_with_a_failed_load_is_not_stored(engine) -> None:
     """A's layer-pipelined load fails (a transient tier error). In the same step B, whose prompt starts with the
     same prefix, is scheduled on A's blocks: vLLM caches the blocks of a synchronous load when it allocates them,
     so B's local prefix-cache hit is the blocks A's load has not written yet. B computes two chunks on top of them
-    and saves them in that step. vLLM rewinds both (A recomputes the shared blocks); the worker skips only A's
-    saves, so B's chunks are stored with valid checksums of wrong KV, and nobody saves them again. C loads them."""
+    and saves them in that step. vLLM rewinds both (A recomputes the shared blocks). Found by the stress test: the
+    worker skipped only A's saves, so B's chunks were stored with valid checksums of wrong KV, and C loaded them
+    (``KVMismatch``). Saves now carry the blocks their KV was computed on (``prefix_block_ids``), and the worker
+    skips those that depend on a block whose failed load the scheduler had not heard of."""
     eng = engine(load_mode="pipelined", prefix_caching=True)
     x = prompt(STORED_TOKENS, 71)
     eng.produce("P", x + prompt(4, 72))
