@@ -61,11 +61,12 @@ def check_threshold_doc(doc: dict) -> None:
         assert [r["loaded_tokens"] for r in c["runs"]["always"]] == [c["hit_tokens"]] * 2
         assert all(r["loaded_tokens"] == 0 for r in c["runs"]["never"])
         assert all(0 <= n <= c["hit_tokens"] for n in c["gate_loaded_tokens"])
-        # The gate weighed every request (its connector found the stored prompt, or refused it unseen) and vLLM took
-        # what it decided: a refusal or a probe loads nothing, a taken hit all of it, a shortened one a part.
+        # vLLM took what the gate decided: a refusal or a probe loads nothing, a taken hit all of it, a shortened one
+        # a part. A request with no decision found no hit to weigh (its lookup missed: on the slowed tier a lookup
+        # can time out, and lookups are then misses for the tier's retry_s), and loads nothing.
         for r in c["runs"]["gate"]:
             kinds = r["decisions"]
-            assert sum(kinds.values()) >= 1 and set(kinds) <= {"taken", "shortened", "refused", "probe"}, kinds
+            assert set(kinds) <= {"taken", "shortened", "refused", "probe"}, kinds
             if set(kinds) <= {"refused", "probe"}:
                 assert r["loaded_tokens"] == 0, r
             elif kinds == {"taken": 1}:
