@@ -128,13 +128,7 @@ class Engine:
                                f"{METRICS_WAIT_S:g} s, so its loaded tokens cannot be read")
         out = {"t_s": t_s, "ttft_s": ttft_s, "loaded_tokens": int(after.get(HITS, 0.0) - before.get(HITS, 0.0))}
         if self.counts_decisions:
-            # The scheduler's counters reach /metrics with the engine's stats, which may come a publication after
-            # the prompt tokens: wait (bounded) for this request's decision too.
-            end_s = time.monotonic() + METRICS_WAIT_S
             now = gate_decisions(self.url)
-            while sum(now.values()) <= sum(decided.values()) and time.monotonic() < end_s:
-                time.sleep(0.05)
-                now = gate_decisions(self.url)
             out["decisions"] = {k: n - decided.get(k, 0) for k, n in now.items() if n > decided.get(k, 0)}
         return out
 
