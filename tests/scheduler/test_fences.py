@@ -12,12 +12,10 @@ preemptions, aborts and copies in flight at free time it produced, and asserts e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from range_connector.connector import RangeConnector
 from range_connector.worker.facade import RangeWorker
@@ -25,36 +23,18 @@ from range_connector.worker.loads import LoadJob
 from range_connector.worker.saves import StripeSaver
 from tests.scheduler.model_runner import LAYER_NAMES
 from tests.scheduler.real_scheduler import KVMismatch, RealEngine, prompt
-from tests.scheduler.stress import LateLoadWrite, StepDelays, StressReport, Workload, run_stress
+from tests.scheduler.stress import (
+    LateLoadWrite,
+    StepDelays,
+    StressReport,
+    Workload,
+    run_stress,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
 #: the KV pool: 21 usable blocks (336 tokens) for prompts of up to 176 tokens that decode up to 64 more
 NUM_BLOCKS = 22
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The fake forward's tensor arithmetic on one thread: on the shared 2-core machine, two intra-op threads
-    made each step 30x slower (spinning against the tier's threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[Callable[..., RealEngine]]:
-    """``engine(**config)``: a :class:`RealEngine` on a fresh file tier, closed at teardown."""
-    made: list[RealEngine] = []
-
-    def make(**config: object) -> RealEngine:
-        made.append(RealEngine(tmp_path / f"tier-{len(made)}", **config))  # type: ignore[arg-type]
-        return made[-1]
-
-    yield make
-    for eng in made:
-        eng.close()
 
 
 def _stress(engine: Callable[..., RealEngine], seed: int, load_mode: str, save_mode: str, *,

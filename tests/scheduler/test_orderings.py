@@ -10,9 +10,7 @@ external hits). Each scenario also runs once with the naive handling of its orde
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,20 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 
 #: a prefix of three chunks (96 tokens, six blocks) that a first request stores
 STORED_TOKENS = 96
-
-
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[Callable[..., RealEngine]]:
-    """``engine(**config)``: a :class:`RealEngine` on a fresh file tier, closed at teardown."""
-    made: list[RealEngine] = []
-
-    def make(**config: object) -> RealEngine:
-        made.append(RealEngine(tmp_path / f"tier-{len(made)}", **config))  # type: ignore[arg-type]
-        return made[-1]
-
-    yield make
-    for eng in made:
-        eng.close()
 
 
 def _stored_prefix(eng: RealEngine, seed: int) -> list[int]:
