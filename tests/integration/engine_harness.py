@@ -3,8 +3,11 @@
 Used by the integration tests as a subprocess (one fresh engine process per run): ``python engine_harness.py
 SPEC.json OUT.json``. Steps:
 
-* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": N}`` -> ``{"token_ids": [[...], ...],
-  "external_hits": tokens, "external_queries": tokens}`` (deltas of vLLM's own counters);
+* ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": N, "kv_transfer_params": {...} or [...]}`` ->
+  ``{"token_ids": [[...], ...], "kv_transfer_params": [...], "external_hits": tokens, "external_queries": tokens}``
+  (hits and queries: deltas of vLLM's own counters). ``kv_transfer_params`` go into each request's
+  ``SamplingParams.extra_args`` as vLLM's OpenAI server puts them, and each output's come back (what the connector's
+  ``request_finished`` returned): a test plays the disaggregated proxy's two calls this way between two engine runs;
 * ``{"op": "last_loads"}`` -> block ids the connector wrote since the previous ``last_loads``, with their digests
   read from the engine's KV cache;
 * ``{"op": "block_digests"}`` -> digests of every non-zero block of the engine's KV cache;
@@ -72,7 +75,7 @@ def main(spec_path: str, out_path: str) -> None:
     from range_connector.testing import debug
 
     ktc = None
-    if spec.get("connector") is not None:
+    if spec.get("connector") is not None:  # roles: "kv_both" (the default), "kv_producer", "kv_consumer"
         ktc = KVTransferConfig(kv_connector="RangeConnector", kv_role=spec.get("role", "kv_both"),
                                kv_load_failure_policy="recompute", kv_connector_extra_config=spec["connector"])
     llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
@@ -85,11 +88,15 @@ def main(spec_path: str, out_path: str) -> None:
             t0 = time.monotonic()
             hits0 = _counter(llm, "vllm:external_prefix_cache_hits")
             queries0 = _counter(llm, "vllm:external_prefix_cache_queries")
-            outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]],
-                                SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 16)),
-                                use_tqdm=False)
+            params = step.get("kv_transfer_params")  # one dict for every prompt, or one per prompt
+            per_prompt = params if isinstance(params, list) else [params] * len(step["prompts"])
+            sampling = [SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 16),
+                                       extra_args={"kv_transfer_params": p} if p is not None else None)
+                        for p in per_prompt]
+            outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], sampling, use_tqdm=False)
             results.append({
                 "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                "kv_transfer_params": [o.kv_transfer_params for o in outs],
                 "external_hits": _counter(llm, "vllm:external_prefix_cache_hits") - hits0,
                 "external_queries": _counter(llm, "vllm:external_prefix_cache_queries") - queries0,
                 "elapsed_s": time.monotonic() - t0,
