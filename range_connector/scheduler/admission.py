@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any
 
 from range_connector.config import RangeConfig
@@ -18,6 +18,28 @@ from range_connector.cost.gate import CostGate
 from range_connector.kv.metadata import RangeWorkerMetadata
 from range_connector.kv.tickets import Ticket
 from range_connector.scheduler.planning import LookupResult
+
+
+def slowest_rank_per_load(load_timings: Iterable[tuple[tuple[str, ...], int, float, bool]],
+                          ) -> list[tuple[tuple[str, ...], int, float, bool]]:
+    """One timing per load job: the tensor-parallel ranks of one engine each load their head slice of the same
+    requests at once and each report it (vLLM aggregates their reports per step); the step waits for the slowest,
+    so a job counts once, with the largest bytes per shard, the longest seconds, and complete only if every rank
+    finished. (Ranks that finish a job in different steps still report it in different steps.)
+
+    Args:
+        load_timings: ``(req_ids, bytes per shard, seconds, complete)`` entries, any number per job.
+
+    Returns:
+        The merged entries, in the order their jobs first appear.
+    """
+    merged: dict[tuple[str, ...], tuple[tuple[str, ...], int, float, bool]] = {}
+    for req_ids, shard_bytes, seconds, complete in load_timings:
+        key = tuple(req_ids)
+        seen = merged.get(key)
+        merged[key] = ((key, shard_bytes, seconds, complete) if seen is None else
+                       (key, max(seen[1], shard_bytes), max(seen[2], seconds), seen[3] and complete))
+    return list(merged.values())
 
 
 class Admission:
@@ -150,7 +172,7 @@ class Admission:
             self._probe_until = 0.0
             for shard_idx in range(self.gate.num_shards):
                 self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=True)
-        for req_ids, shard_bytes, seconds, complete in report.load_timings:
+        for req_ids, shard_bytes, seconds, complete in slowest_rank_per_load(report.load_timings):
             decisions = [d for d in (self.decisions.pop(r, None) for r in req_ids) if d is not None]
             probe = bool(decisions) and all(d.is_probe for d in decisions)
             for shard_idx in range(self.gate.num_shards):

@@ -58,7 +58,8 @@ def _counter(llm, name: str) -> int:
 
 
 def main(spec_path: str, out_path: str) -> None:
-    spec = json.load(open(spec_path))
+    with open(spec_path) as f:
+        spec = json.load(f)
     kwargs = dict(spec.get("engine_args", {}))
     processes = spec.get("processes", "one")
     if processes == "one":
