@@ -329,6 +329,8 @@ class LoadJob:
         except Exception as exc:  # deadline or a failed read task: nothing more can be trusted
             self._give_up(g, str(exc) or type(exc).__name__)
             return
+        if self.closed:  # cancelled while the rows landed: vLLM may own those blocks again, leave them unread
+            return
         with self.reads.lock:
             any_lost = bool(self.reads.missing or self.reads.errored)
         if any_lost:  # (a whole load of healthy stripes costs nothing per chunk here)

@@ -160,6 +160,45 @@ def test_save_that_times_out_is_not_announced_and_decode_computes_at_once(pd: PD
     assert "announced tokens arrived within" not in decode_log  # it never waited
 
 
+def test_a_decode_engine_of_another_block_size_gets_no_request_and_the_client_a_409_naming_it(pd: PD) -> None:
+    """A third real engine, a ``kv_consumer`` with block size 32 instead of 128, behind a second proxy with the
+    module's prefill engine: the proxy learns its settings from its describe probe and the prefill engine's from the
+    prefill answer, and answers HTTP 409 naming ``block_size`` with both values; that engine never sees the
+    request (its own prompt-token counter moves by the probe's one token at most)."""
+    if pd.kind != "gqa":
+        pytest.skip("made once, with the GQA engines (one more engine start)")
+    tmp = pd.decode.work_dir.parent
+    other = ServerProcess(pd.model, work_dir=tmp / "decode-block-32", block_size=32, max_model_len=2048,
+                          omp_threads_bind="1", kv_transfer_config=connector_config(
+                              {"runtime_dir": str(tmp / "runtime"), "chunk_tokens": CHUNK_TOKENS},
+                              role="kv_consumer"))
+    proxy_port = free_port()
+    with other:
+        other.wait_ready(timeout_s=400)
+        proxy = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from range_connector.cli import main; sys.exit(main())", "proxy",
+             "--prefill", pd.prefill.base_url, "--decode", other.base_url, "--port", str(proxy_port),
+             "--health-interval-s", "1"],
+            stdout=open(tmp / "proxy-block-32.log", "w"), stderr=subprocess.STDOUT)
+        try:
+            proxy_url = f"http://127.0.0.1:{proxy_port}"
+            _wait_http_ok(f"{proxy_url}/health", 60)
+            before = scrape_metrics(other.base_url).get(PROMPT_TOKENS_TOTAL, 0.0)
+            reply = httpx.post(f"{proxy_url}/v1/completions", timeout=120, json={
+                "model": str(pd.model), "prompt": pd.prompts[0][:300], "max_tokens": 2})
+            after = scrape_metrics(other.base_url).get(PROMPT_TOKENS_TOTAL, 0.0)
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=30)
+    assert reply.status_code == 409, reply.text
+    error = reply.json()["error"]
+    assert error["mismatches"]["block_size"] == {"prefill": BLOCK_SIZES["gqa"], "decode": 32}
+    assert "block_size" in error["message"]
+    # the describe probe (one prompt token, sent when the proxy first needs the engine's settings) is the only
+    # request the block-32 engine served
+    assert after - before in (0.0, 1.0)
+
+
 def test_decode_engine_killed_mid_replay_gives_clean_errors_and_the_proxy_stays_up(pd: PD) -> None:
     """Runs last (it kills the module's decode engine): a replay through the proxy while the decode engine dies.
     The requests it was serving or had not yet received end with clean errors in the report, the report says which
