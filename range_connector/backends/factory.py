@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from range_connector.backends.base import Backend
 from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError, ConfigError
+
+if TYPE_CHECKING:
+    from range_connector.backends.valkey.urls import ValkeyAccess
 
 logger = logging.getLogger("vllm." + __name__)
 
@@ -47,8 +51,9 @@ def open_shard_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = 
         tier the same in-process instance for every shard.
 
     Raises:
-        ConfigError: a server does not answer at start-up (names the tier's ``servers`` key and the URL), the
-            directory cannot be created, or the testing ``control_file`` is invalid.
+        ConfigError: a server does not answer at start-up, refuses the credentials or the TLS handshake (names
+            the tier's ``servers`` key and the URL, redacted), ``security.password_env`` is not set, the directory
+            cannot be created, or the testing ``control_file`` is invalid.
     """
     backends = _open_backends(config, list(range(config.num_shards)) if shard_idxs is None else list(shard_idxs))
     tier, testing = config.tier, config.tier.testing
@@ -86,13 +91,35 @@ def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
             raise ConfigError(tier.key_name("directory") if tier.directory else "runtime_dir", f"{root}: {exc}") from exc
     from range_connector.backends.valkey.client import ValkeyBackend
 
+    access = valkey_access(config)
     backends: list[Backend] = []
     urls = resolve_valkey_urls(config)
     for url in (urls[s] for s in shard_idxs):
         try:
-            backends.append(ValkeyBackend(url, timeout_s=tier.timeout_s, capacity_bytes=tier.budget_bytes or None))
+            backends.append(ValkeyBackend(url, timeout_s=tier.timeout_s, capacity_bytes=tier.budget_bytes or None,
+                                          access=access))
         except BackendError as exc:
             for b in backends:
                 b.close()
-            raise ConfigError(tier.key_name("servers"), str(exc)) from exc
+            raise ConfigError(tier.key_name("servers"), str(exc)) from None  # (the message names the URL redacted)
     return backends
+
+
+def valkey_access(config: RangeConfig) -> ValkeyAccess:
+    """The tier's ``security`` table as the Valkey backend takes it (the password read from its variable now).
+
+    Raises:
+        ConfigError: ``security.password_env`` names a variable that is not set.
+    """
+    from range_connector.backends.valkey.urls import ValkeyAccess
+
+    sec = config.tier.security
+    return ValkeyAccess(username=sec.username or None, password=sec.password(),
+                        tls_ca_file=_path(sec.tls_ca_file), tls_cert_file=_path(sec.tls_cert_file),
+                        tls_key_file=_path(sec.tls_key_file))
+
+
+def _path(path: str) -> str | None:
+    import os
+
+    return os.path.expanduser(path) if path else None

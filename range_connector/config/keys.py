@@ -126,8 +126,22 @@ TIER_KEYS: tuple[Key, ...] = (
     Key("testing", "table", "-", None, "{}", "Benchmark and test knobs (below); never needed in production."),
 )
 
-#: ``tiers[i].security``: no keys yet (AUTH and TLS are not supported yet; any key is refused by name).
-SECURITY_KEYS: tuple[Key, ...] = ()
+#: ``tiers[i].security``: credentials and TLS files of a Valkey tier's servers (the same for every shard). Each
+#: replaces what the server URLs say; what it leaves unset comes from the URLs.
+SECURITY_KEYS: tuple[Key, ...] = (
+    Key("username", "str", "-", "", '"" (the URL\'s, else the default user)',
+        "ACL user sent with AUTH to every server (replaces a user in the URLs).", types=("valkey",)),
+    Key("password_env", "str", "-", "", '"" (the URL\'s password, else none)',
+        "Name of the environment variable that holds the password (read at start-up, never logged; a variable "
+        "that is not set fails start-up). Replaces a password in the URLs.", types=("valkey",)),
+    Key("tls_ca_file", "str", "path", "", '"" (the system\'s authorities)',
+        "PEM file of the authorities that sign the servers' certificates; valkeys:// servers only. The "
+        "certificate must name the host of the URL.", types=("valkey",)),
+    Key("tls_cert_file", "str", "path", "", '"" (none)',
+        "PEM client certificate, for servers that require one (valkeys:// only).", types=("valkey",)),
+    Key("tls_key_file", "str", "path", "", '"" (in tls_cert_file)',
+        "PEM private key of tls_cert_file (valkeys:// only).", types=("valkey",)),
+)
 
 TESTING_KEYS: tuple[Key, ...] = (
     Key("delay_s", "float", "s", 0.0, "0.0", "Seconds added to every round trip to the tier (a latency-injecting "

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from range_connector.config.keys import (
     ENGINE_KEYS,
@@ -28,6 +28,7 @@ from range_connector.config.keys import (
     Key,
     by_name,
 )
+from range_connector.config.urls import parse_server_url, redact_url
 from range_connector.errors import ConfigError
 
 logger = logging.getLogger("vllm." + __name__)
@@ -109,7 +110,9 @@ def check_value(key: Key, value: Any, path: str) -> Any:
         return float(value)
     if kind == "urls":
         if not isinstance(value, (list, tuple)) or not all(isinstance(u, str) for u in value):
-            raise ConfigError(path, f"{value!r} is not a list of URL strings")
+            shown = [redact_url(u) if isinstance(u, str) else u for u in value] if isinstance(value, (list, tuple)) \
+                else value  # (never a password: the URLs redacted)
+            raise ConfigError(path, f"{shown!r} is not a list of URL strings")
         for url in value:
             check_url(url, path)
         return tuple(value)
@@ -117,21 +120,13 @@ def check_value(key: Key, value: Any, path: str) -> Any:
 
 
 def check_url(url: str, path: str) -> None:
-    """Raise ``ConfigError(path, ...)`` unless ``url`` is ``valkey://host:port`` (``redis://`` and ``unix://`` too)."""
-    bad = ConfigError(path, f"{url!r} is not a valkey://host:port URL")
-    parts = urlsplit(url)
-    if parts.scheme not in ("valkey", "redis", "unix"):
-        raise bad
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise bad
-        return
+    """Raise ``ConfigError(path, ...)`` unless ``url`` is a server URL :func:`~range_connector.config.urls.
+    parse_server_url` reads (``valkey://``, ``valkeys://``, ``redis://``, ``rediss://``, ``unix://``, with
+    ``user:password@`` and a database); the message shows the URL with its password redacted."""
     try:
-        port = parts.port
-    except ValueError:
-        raise bad from None
-    if not parts.hostname or (port is not None and not 0 < port < 65536):
-        raise bad
+        parse_server_url(url)
+    except ValueError as exc:
+        raise ConfigError(path, str(exc)) from None
 
 
 def _check_sign(key: Key, value: float, path: str) -> None:
@@ -161,13 +156,38 @@ def _parse_tier(table: Any, path: str) -> dict[str, Any]:
             raise ConfigError(f"{path}.{name}", f"is for {' and '.join(key.types)} tiers, and {path}.type is "
                                                 f"{tier_type!r}")
         if name == "security":
-            out[name] = _parse_table(value, f"{path}.security", _SECURITY,
-                                     "AUTH and TLS are not supported yet: no security keys exist")
+            out[name] = _parse_table(value, f"{path}.security", _SECURITY)
+            for sub in out[name]:
+                if tier_type not in _SECURITY[sub].types:
+                    raise ConfigError(f"{path}.security.{sub}", f"is for {' and '.join(_SECURITY[sub].types)} "
+                                                                f"tiers, and {path}.type is {tier_type!r}")
         elif name == "testing":
             out[name] = _parse_table(value, f"{path}.testing", _TESTING)
         elif name != "type":
             out[name] = check_value(key, value, f"{path}.{name}")
+    if out.get("security"):
+        _check_security(out["security"], out.get("servers", ()), path)
     return out
+
+
+def _check_security(security: dict[str, Any], servers: tuple[str, ...], path: str) -> None:
+    """The environment variable and files that ``tiers[i].security`` names exist, and TLS files go with TLS URLs."""
+    where = f"{path}.security"
+    env = security.get("password_env")
+    if env and not os.environ.get(env):
+        raise ConfigError(f"{where}.password_env", f"the environment variable {env!r} is not set (or empty)")
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+        file = security.get(name)
+        if file and not os.path.isfile(os.path.expanduser(file)):
+            raise ConfigError(f"{where}.{name}", f"{file!r} is not a readable file")
+    if security.get("tls_key_file") and not security.get("tls_cert_file"):
+        raise ConfigError(f"{where}.tls_key_file", f"is the key of a client certificate, and {where}.tls_cert_file "
+                                                   "is not set")
+    tls_keys = [k for k in ("tls_ca_file", "tls_cert_file", "tls_key_file") if security.get(k)]
+    if tls_keys and not any(parse_server_url(u).tls for u in servers):
+        shown = ", ".join(redact_url(u) for u in servers) or "none: embedded servers, which have no TLS"
+        raise ConfigError(f"{where}.{tls_keys[0]}", f"applies to valkeys:// servers, and {path}.servers lists "
+                                                    f"{shown}")
 
 
 def _parse_table(value: Any, path: str, keys: dict[str, Key], unknown_why: str = "") -> dict[str, Any]:
@@ -193,7 +213,7 @@ def _shorthand_tier(extra: Mapping[str, Any], flat: list[str]) -> dict[str, Any]
         value = extra[name]
         if name == "valkey_urls" and isinstance(value, str):
             logger.warning("Range config: valkey_urls is a string; it is taken as a list of one URL. Write a list: "
-                           "[%s]", json.dumps(value))
+                           "[%s]", json.dumps(redact_url(value)))
             value = [value]
         key = _TESTING[target.split(".")[1]] if target.startswith("testing.") else _TIER[target]
         checked = check_value(key, value, name)  # (checked even where it does not apply, as before)
@@ -213,7 +233,9 @@ def _shorthand_tier(extra: Mapping[str, Any], flat: list[str]) -> dict[str, Any]
 
 
 def _warn_flat(flat: list[str], tier: dict[str, Any], ignored: list[str]) -> None:
-    spelled = json.dumps({"tiers": [{k: list(v) if isinstance(v, tuple) else v for k, v in tier.items()}]})
+    shown = {k: [redact_url(u) for u in v] if k == "servers" else list(v) if isinstance(v, tuple) else v
+             for k, v in tier.items()}
+    spelled = json.dumps({"tiers": [shown]})
     renames = ", ".join(f"{k} -> tiers[0].{FLAT_TIER_KEYS[k]}" for k in flat)
     message = (f"Range config: the flat keys {', '.join(flat)} are the deprecated one-tier shorthand; write "
                f"{spelled} instead ({renames})")

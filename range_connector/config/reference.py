@@ -39,6 +39,51 @@ This file is generated from the declarations in `range_connector/config/keys.py`
 """
 
 
+_SECURITY_INTRO = """\
+Credentials and TLS for a Valkey tier's servers. Every kind of server URL goes through Range's own RESP reader (the
+bulk path that reads values straight into KV blocks); valkey-py, which runs the Lua scripts and small commands, gets
+the same credentials and TLS settings:
+
+| URL | what it is |
+|---|---|
+| `valkey://host:port` (or `redis://`) | plain TCP |
+| `valkey://user:password@host:port/3` | `AUTH user password` and `SELECT 3` once per connection (`valkey://:password@host` without a user) |
+| `valkeys://host:port` (or `rediss://`) | TLS 1.2 or later; the server's certificate must be signed by `tls_ca_file` (else the system's authorities) and name the URL's host (an IP address in the URL needs it as an IP subject alternative name) |
+| `unix:///path/to.sock?db=3` | a unix socket (`db`, `username` and `password` are also read as query parameters, on every URL) |
+
+A key set here replaces the URLs' value for every shard (`username` the URL's user, the variable named by
+`password_env` the URL's password); what it leaves unset comes from each URL. The password is read from its variable
+at start-up and is never logged: every message, log line and error that names a server shows its URL with the
+password replaced by `***`. A server that refuses the credentials, or a TLS handshake that fails, stops start-up with
+a `ConfigError` naming `tiers[0].servers` and the redacted URL.
+
+```json
+{"tiers": [{"type": "valkey", "servers": ["valkeys://range@10.0.0.5:6380/0"],
+            "security": {"password_env": "RANGE_VALKEY_PASSWORD", "tls_ca_file": "/etc/range/ca.pem"}}]}
+```
+"""
+
+_SECURITY_NOTES = """\
+What AUTH and TLS cost on the bulk path is measured by `bench/granularity.py --security` (rows `range_valkey_auth`
+and `range_valkey_tls` beside `range_valkey`, through a TLS-terminating relay on loopback:
+`range_connector/testing/tls_relay.py`): to be measured by bench/granularity.py. Over TLS, a reply is received one
+TLS record (16 KiB) at a time, and each record is decrypted by the client.
+
+**A Valkey ACL user for Range.** These are all the commands Range sends, its Lua scripts' commands included (a
+script runs with its caller's permissions); keys are all under the key prefix (`<key_prefix>`, `rc2:` today), so a
+user can be restricted to `~<key_prefix>*`:
+
+```
+ACL SETUSER range on >PASSWORD resetkeys ~rc2:* resetchannels -@all +ping +select +client|setinfo +config|get +get +getrange +set +mget +mset +del +exists +type +incrby +decrby +zadd +zrange +zrem +hset +hgetall +hdel +pexpire +pttl +time +evalsha +script|load +script|exists
+```
+
+`+config|get` is optional: without it Range assumes the server's default value limit (`proto-max-bulk-len`, 512 MiB)
+and does not check `maxmemory-policy`. A test (`tests/backends/test_valkey_security.py`) runs a whole
+write/lookup/read/lease/release/drop cycle as a user created by exactly this line, and checks that the user gets
+NOPERM on a key outside its prefix.
+"""
+
+
 def _table(keys: tuple[Key, ...], *, types: bool = False) -> list[str]:
     head = "| key | unit | default | " + ("tier types | " if types else "") + "meaning |"
     lines = [head, "|" + "---|" * (5 if types else 4)]
@@ -53,11 +98,7 @@ def render() -> str:
     out = [_INTRO, "## Engine-wide keys", "", *_table(ENGINE_KEYS), "",
            "## Tier keys (`tiers[i]`)", "", *_table(TIER_KEYS, types=True), "",
            "### `tiers[i].security`", ""]
-    if SECURITY_KEYS:
-        out += [*_table(SECURITY_KEYS), ""]
-    else:
-        out += ["No keys yet: AUTH and TLS to the tier's servers are not supported yet, and any key here is refused "
-                "by name.", ""]
+    out += [_SECURITY_INTRO, *_table(SECURITY_KEYS), "", _SECURITY_NOTES]
     out += ["### `tiers[i].testing`", "", "Knobs for benchmarks and tests: a latency-injecting wrapper around the "
             "tier. Never needed in production.", "", *_table(TESTING_KEYS), "",
             "## The one-tier shorthand (deprecated)", "",

@@ -25,7 +25,36 @@ from range_connector.errors import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class TierSecurity:
-    """``tiers[i].security``: access to the tier's servers. No keys yet: AUTH and TLS are not supported yet."""
+    """``tiers[i].security``: credentials and TLS files of a Valkey tier's servers ("": unset, the URL's applies).
+
+    Attributes:
+        username: ACL user sent with ``AUTH``.
+        password_env: name of the environment variable holding the password (the password itself is never kept
+            in the config: :meth:`password` reads it).
+        tls_ca_file: PEM file of the servers' certificate authorities (valkeys:// only).
+        tls_cert_file: PEM client certificate.
+        tls_key_file: PEM private key of ``tls_cert_file``.
+    """
+
+    username: str = ""
+    password_env: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+    def password(self) -> str | None:
+        """The password from ``password_env`` (``None`` when no variable is named).
+
+        Raises:
+            ConfigError: the named variable is not set or empty (names ``tiers[0].security.password_env``).
+        """
+        if not self.password_env:
+            return None
+        value = os.environ.get(self.password_env)
+        if not value:
+            raise ConfigError("tiers[0].security.password_env",
+                              f"the environment variable {self.password_env!r} is not set (or empty)")
+        return value
 
 
 @dataclass(frozen=True, slots=True)

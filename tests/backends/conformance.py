@@ -10,8 +10,9 @@ lowered value limit), the server-side command counts (Valkey ``INFO commandstats
 tier still holds, and an audit of the tier's own byte accounting. ``test_valkey_failures.py`` covers deadlines and
 failures that only a remote tier has.
 
-The Valkey tier runs twice: ``valkey`` (database 0: the bulk data path through our own RESP connection) and
-``valkey-db1`` (database 1: everything through valkey-py). Cases (``/work/shared/cases/README.md``): C15, C16, C19,
+The Valkey tier runs twice: ``valkey`` (database 0) and ``valkey-db1`` (database 1, selected once per connection);
+both take the bulk data path through our own RESP connection (AUTH, TLS and unix sockets too:
+``test_valkey_security.py``). Cases (``/work/shared/cases/README.md``): C15, C16, C19,
 C21, C27.
 
 This module holds no tests. A new backend joins the suite with a :class:`Store` here and a parameter of the

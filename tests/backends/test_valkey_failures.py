@@ -1,5 +1,5 @@
-"""Deadlines and failures that only a remote tier has, on the Valkey tier (each on both data paths: RESP and
-valkey-py): the server's value limit, a frozen server (SIGSTOP), a write that times out, a trickling server (C21), a
+"""Deadlines and failures that only a remote tier has, on the Valkey tier (each on databases 0 and 1; both take the
+RESP data path since every URL kind does): the server's value limit, a frozen server (SIGSTOP), a write that times out, a trickling server (C21), a
 closed port, an oversize write against a stale limit (C19), and two shard servers that stay independent.
 
 Stripes come from the conformance suite's helpers (``tests/backends/conformance.py``); servers from the fixtures of
@@ -105,9 +105,9 @@ def _url_pattern(url: str) -> str:
     return re.escape(url.removeprefix("valkey://").split("/")[0])
 
 
-@pytest.fixture(params=[0, 1], ids=["resp", "valkey-py"])
+@pytest.fixture(params=[0, 1], ids=["resp", "resp-db1"])
 def db(request: pytest.FixtureRequest) -> int:
-    """Database 0 takes the RESP data path; database 1 goes through valkey-py."""
+    """Database 0, or 1 (selected once per RESP connection: the same data path)."""
     return request.param
 
 
@@ -183,7 +183,7 @@ class TestValkeyFailures:
         s = make_stripe(1)
         b = ValkeyBackend(url, timeout_s=timeout_s, capacity_bytes=4 * s.nbytes)
         assert b.write_stripe(s.write) is True
-        data_path = "_resp_run" if db == 0 else "_pipeline"  # what sends the values (after the reservation)
+        data_path = "_resp_run" if b._resp is not None else "_pipeline"  # what sends the values (after the reservation)
         send = getattr(b, data_path)
         deadlines: list[float | None] = []
 

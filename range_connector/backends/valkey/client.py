@@ -14,6 +14,7 @@ Each call is one pipeline (or one script) with a deadline for the whole call; co
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 import uuid
@@ -24,10 +25,28 @@ import msgpack
 import valkey
 import valkey.exceptions as vex
 
-from range_connector.backends.base import Backend, Buffer, RangeRead, ScatterDest, StripeWrite
+from range_connector.backends.base import (
+    Backend,
+    Buffer,
+    RangeRead,
+    ScatterDest,
+    StripeWrite,
+)
 from range_connector.backends.valkey.pool import RespPool
-from range_connector.backends.valkey.resp import RespReplyTooLargeError
-from range_connector.backends.valkey.scripts import FORGET_LUA, LEASE_LUA, RELEASE_LUA, RESERVE_LUA
+from range_connector.backends.valkey.resp import RespReplyTooLargeError, RespSetup
+from range_connector.backends.valkey.scripts import (
+    FORGET_LUA,
+    LEASE_LUA,
+    RELEASE_LUA,
+    RESERVE_LUA,
+)
+from range_connector.backends.valkey.urls import (
+    ServerUrl,
+    ValkeyAccess,
+    parse_server_url,
+    redact_url,
+    tls_context,
+)
 from range_connector.errors import BackendError, BackendTimeoutError
 
 logger = logging.getLogger("vllm." + __name__)
@@ -41,38 +60,54 @@ class ValkeyBackend(Backend):
     """One shard on one Valkey server.
 
     Args:
-        url: ``valkey://host:port[/db]``.
+        url: ``valkey://[user:password@]host:port[/db]``, ``valkeys://...`` (TLS) or ``unix:///path.sock[?db=n]``
+            (:mod:`range_connector.config.urls`).
         timeout_s: deadline of every call, seconds (the whole call, not one socket read).
         capacity_bytes: Range's byte budget for stripes on this server (``None``: none; the server's memory limit
             is then the only bound).
+        access: credentials that replace the URL's, and the TLS files (default: the URL's credentials, the
+            system's certificate authorities).
+
+    Attributes:
+        url: the server's URL with its credentials redacted (what every message and log line shows).
 
     Raises:
-        BackendError: the URL is unusable or the server does not answer at construction.
+        BackendError: the URL is unusable, TLS files are given for a URL that is not TLS or cannot be loaded, the
+            server does not answer, refuses the credentials or the TLS handshake at construction (the message
+            names the redacted URL).
     """
 
     is_shared = True
     supports_scatter = True
 
-    def __init__(self, url: str, timeout_s: float = 5.0, capacity_bytes: int | None = None) -> None:
-        self.url = url
-        self.timeout_s = timeout_s
+    def __init__(self, url: str, timeout_s: float = 5.0, capacity_bytes: int | None = None, *,
+                 access: ValkeyAccess | None = None) -> None:
         try:
-            self._client = valkey.Valkey.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=0
-            )
+            target = parse_server_url(url)
         except ValueError as exc:
-            raise BackendError(f"{url}: not a usable Valkey URL ({exc})") from exc
+            raise BackendError(f"{redact_url(url)}: not a usable Valkey URL ({exc})") from None
+        access = access or ValkeyAccess()
+        #: the server as every message names it (credentials redacted)
+        self.url = target.shown
+        self.timeout_s = timeout_s
+        self._client, setup = _clients_settings(target, access, timeout_s)
         try:
             self._client.ping()
             limits = self._client.config_get("proto-max-bulk-len")
             max_bulk = int(limits.get("proto-max-bulk-len", DEFAULT_MAX_BULK_BYTES))
-        except vex.ResponseError:  # CONFIG may be disabled on managed servers
+        except vex.ResponseError:  # CONFIG may be disabled on managed servers, or not granted to this ACL user
             max_bulk = DEFAULT_MAX_BULK_BYTES
+        except vex.AuthenticationError as exc:
+            self._client.close()
+            raise BackendError(f"{self.url}: the server refused the credentials ({exc}); set them in the URL or in "
+                               "tiers[i].security (username, password_env)") from exc
         except (vex.ConnectionError, vex.TimeoutError, OSError) as exc:
-            raise BackendError(f"{url}: Valkey server does not answer ({exc})") from exc
+            self._client.close()
+            raise BackendError(f"{self.url}: Valkey server does not answer ({exc})") from exc
         except vex.ValkeyError as exc:  # e.g. an HTTP server on that port: the reply is not RESP
-            raise BackendError(f"{url}: not a Valkey server ({type(exc).__name__}: {exc})") from exc
-        super().__init__(url, max_bulk - 1024, capacity_bytes)
+            self._client.close()
+            raise BackendError(f"{self.url}: not a Valkey server ({type(exc).__name__}: {exc})") from exc
+        super().__init__(self.url, max_bulk - 1024, capacity_bytes)
         try:
             policy = self._client.config_get("maxmemory-policy").get("maxmemory-policy", "noeviction")
         except vex.ValkeyError:
@@ -80,7 +115,7 @@ class ValkeyBackend(Backend):
         if policy not in ("noeviction", "unknown"):
             logger.warning("%s: maxmemory-policy is %s; Range manages capacity itself and expects noeviction "
                            "(the server may drop stripes that tickets still promise: those loads then fail and are "
-                           "recomputed)", url, policy)
+                           "recomputed)", self.url, policy)
         self._reserve = self._client.register_script(RESERVE_LUA)
         self._forget = self._client.register_script(FORGET_LUA)
         self._release = self._client.register_script(RELEASE_LUA)
@@ -90,12 +125,17 @@ class ValkeyBackend(Backend):
         # 0.5 GiB/s for valkey-py's parser (which allocates a bytes object per reply that must then be copied).
         # Loads into a host-memory KV cache give it the KV rows themselves (ScatterDest): the reply lands in the
         # destination blocks with no bank and no copy (measurements: range_connector/worker/direct_receive.py).
-        # valkey-py stays for scripts and small commands, and for URLs the RESP path does not handle (unix
-        # sockets, authentication, a database other than 0).
-        kw = self._client.connection_pool.connection_kwargs
-        self._resp: RespPool | None = None
-        if "host" in kw and not kw.get("password") and not kw.get("username") and int(kw.get("db", 0) or 0) == 0:
-            self._resp = RespPool(kw["host"], int(kw.get("port", 6379)), timeout_s, max_connections=2)
+        # Every URL kind takes it (TCP, unix socket, TLS; AUTH and SELECT sent once per connection); valkey-py,
+        # with the same credentials and TLS settings, stays for scripts and small commands. One connection is
+        # opened now, so that a refused AUTH or TLS handshake on this path fails at start-up too.
+        self._resp: RespPool | None = RespPool(target.host, target.port, timeout_s, max_connections=2, setup=setup)
+        try:
+            with self._resp.connection() as conn:
+                conn.execute([(b"PING",)])
+        except BackendError:
+            self._resp.close()
+            self._client.close()
+            raise
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, commands: int, fn, deadline: float | None = None):
@@ -306,6 +346,36 @@ class ValkeyBackend(Backend):
             self._resp.close()
         self._client.close()
         self._client.connection_pool.disconnect()
+
+
+def _clients_settings(target: ServerUrl, access: ValkeyAccess, timeout_s: float) -> tuple[valkey.Valkey, RespSetup]:
+    """The valkey-py client and the RESP connections' setup of one server, from the same URL and access settings.
+
+    Raises:
+        BackendError: TLS files for a URL that is not TLS, or TLS files that cannot be loaded.
+    """
+    if access.has_tls_files and not target.tls:
+        raise BackendError(f"{target.shown}: TLS files are set (tiers[i].security.tls_*) but the URL is not "
+                           "valkeys://")
+    username, password = access.credentials(target)
+    context = None
+    kw: dict = {"db": target.db, "username": username, "password": password, "socket_timeout": timeout_s,
+                "socket_connect_timeout": timeout_s, "health_check_interval": 0}
+    if target.unix_path is not None:
+        kw["unix_socket_path"] = target.unix_path
+    else:
+        kw.update(host=target.host, port=target.port)
+    if target.tls:
+        try:
+            context = tls_context(access)
+        except (OSError, ssl.SSLError) as exc:
+            raise BackendError(f"{target.shown}: cannot load the TLS files ({exc})") from None
+        kw.update(ssl=True, ssl_ca_certs=access.tls_ca_file or None, ssl_certfile=access.tls_cert_file or None,
+                  ssl_keyfile=access.tls_key_file or None, ssl_cert_reqs="required", ssl_check_hostname=True,
+                  ssl_min_version=ssl.TLSVersion.TLSv1_2)
+    setup = RespSetup(unix_path=target.unix_path, db=target.db, username=username, password=password, tls=context,
+                      name=target.shown)
+    return valkey.Valkey(**kw), setup
 
 
 def _check_reads(name: str, reads: Sequence[RangeRead]) -> None:

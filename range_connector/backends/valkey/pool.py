@@ -11,7 +11,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from range_connector.backends.valkey.resp import RespConnection
+from range_connector.backends.valkey.resp import PLAIN, RespConnection, RespSetup
 from range_connector.errors import BackendError, BackendTimeoutError
 
 
@@ -19,18 +19,22 @@ class RespPool:
     """Up to ``max_connections`` connections to one server, shared by threads; closed ones are replaced lazily.
 
     Args:
-        host: server address.
-        port: TCP port.
+        host: server address (unused with ``setup.unix_path``).
+        port: TCP port (unused with ``setup.unix_path``).
         timeout_s: connect timeout and default call deadline, seconds.
         max_connections: how many connections may be open (and in use) at once.
+        setup: unix socket, TLS, credentials and database of every connection (default: plain TCP, database 0).
 
     Attributes:
         round_trips: calls made through connections returned to the pool.
         commands_sent: commands sent through connections returned to the pool.
+        name: how messages name the server (``setup.name``, else ``host:port`` or the socket path).
     """
 
-    def __init__(self, host: str, port: int, timeout_s: float, max_connections: int = 2) -> None:
-        self.host, self.port, self.timeout_s = host, port, timeout_s
+    def __init__(self, host: str, port: int, timeout_s: float, max_connections: int = 2,
+                 setup: RespSetup = PLAIN) -> None:
+        self.host, self.port, self.timeout_s, self.setup = host, port, timeout_s, setup
+        self.name = setup.name or setup.unix_path or f"{host}:{port}"
         self.round_trips = self.commands_sent = 0
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
@@ -46,17 +50,17 @@ class RespPool:
 
         Raises:
             BackendTimeoutError: no connection became free in time.
-            BackendError: a new connection could not be opened.
+            BackendError: a new connection could not be opened (or its ``AUTH``/``SELECT`` was refused).
         """
         if self._closed:
-            raise BackendError(f"{self.host}:{self.port}: the connection pool is closed")
+            raise BackendError(f"{self.name}: the connection pool is closed")
         if not self._slots.acquire(timeout=self.timeout_s if wait_s is None else wait_s):
-            raise BackendTimeoutError(f"{self.host}:{self.port}: no free connection in the pool")
+            raise BackendTimeoutError(f"{self.name}: no free connection in the pool")
         try:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                conn = RespConnection(self.host, self.port, self.timeout_s)
+                conn = RespConnection(self.host, self.port, self.timeout_s, self.setup)
             before = (conn.round_trips, conn.commands_sent)
             try:
                 yield conn

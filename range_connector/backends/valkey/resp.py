@@ -13,6 +13,12 @@ cache): ``recvmsg_into`` fills many of its pieces per system call, always withou
 destination's gate; waiting for more bytes (``poll``, until a quarter MiB or the rest of the reply is there) happens
 outside the gate, so whoever owns the pieces can close the gate at any moment and knows that nothing is written after
 it has.
+
+Beyond plain TCP a connection can go over a unix socket or TLS (:class:`RespSetup`), and sends ``AUTH`` and
+``SELECT`` once, right after connecting. ``SSLSocket`` has neither ``sendmsg`` nor ``recvmsg_into``: over TLS the
+pieces of a request are sent one ``send`` each, and a scattered reply is received one ``recv_into`` per piece (each
+returns at most one TLS record, 16 KiB); bytes that the TLS layer already decrypted are not visible to ``poll``, so
+``SSLSocket.pending()`` is asked before waiting.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from __future__ import annotations
 import math
 import select
 import socket
+import ssl
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from range_connector.backends.base import ScatterDest
 from range_connector.errors import BackendError, BackendTimeoutError
@@ -64,13 +72,41 @@ class RespReplyTooLargeError(BackendError):
     """A bulk reply is longer than the buffer given for it; the connection has been closed."""
 
 
+@dataclass(frozen=True, slots=True)
+class RespSetup:
+    """How a connection reaches its server beyond ``host:port``, and what it sends once connected.
+
+    Attributes:
+        unix_path: connect to this unix socket instead of ``host:port``.
+        db: database selected on connect (``SELECT``; 0: none sent).
+        username: ACL user of ``AUTH`` (``None``: the default user).
+        password: password of ``AUTH`` (``AUTH`` is sent when a user or a password is set); never in ``repr``.
+        tls: client TLS context (``None``: plain); it decides what is verified.
+        tls_server_name: the name the server's certificate must carry (default: ``host``).
+        name: how messages name the server (a redacted URL; default ``host:port`` or the socket path).
+    """
+
+    unix_path: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: ssl.SSLContext | None = None
+    tls_server_name: str | None = None
+    name: str = ""
+
+
+PLAIN = RespSetup()
+
+
 class RespConnection:
-    """One TCP connection to a RESP2 server (Valkey/Redis).
+    """One connection to a RESP2 server (Valkey/Redis): TCP, a unix socket or TLS.
 
     Args:
-        host: server address.
-        port: TCP port.
-        timeout_s: connect timeout, and the default deadline of calls that do not pass one, seconds.
+        host: server address (unused with ``setup.unix_path``).
+        port: TCP port (unused with ``setup.unix_path``).
+        timeout_s: connect timeout (connecting, the TLS handshake, ``AUTH`` and ``SELECT`` together), and the
+            default deadline of calls that do not pass one, seconds.
+        setup: unix socket, TLS, credentials and database (default: plain TCP, no ``AUTH``, database 0).
 
     Attributes:
         round_trips: calls whose requests were sent (one per ``execute``/``execute_into``).
@@ -78,22 +114,23 @@ class RespConnection:
         closed: whether the connection was closed (by :meth:`close` or after a failure).
 
     Raises:
-        BackendError: the server cannot be reached (message names ``host:port``).
+        BackendError: the server cannot be reached, the TLS handshake fails (the server's certificate is not
+            trusted or does not name ``tls_server_name``), or the server refuses ``AUTH`` or ``SELECT`` (message
+            names the server as ``setup.name`` shows it, never the password).
         BackendTimeoutError: connecting took longer than ``timeout_s``.
     """
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
-        self.server = f"{host}:{port}"
+    def __init__(self, host: str, port: int, timeout_s: float, setup: RespSetup = PLAIN) -> None:
+        self.server = setup.name or setup.unix_path or f"{host}:{port}"
         self.timeout_s = timeout_s
         self.round_trips = self.commands_sent = 0
         self.closed = False
-        try:
-            self._sock = socket.create_connection((host, port), timeout=timeout_s)
-        except TimeoutError as exc:
-            raise BackendTimeoutError(f"{self.server}: connect timed out after {timeout_s:g} s") from exc
-        except OSError as exc:
-            raise BackendError(f"{self.server}: cannot connect: {exc}") from exc
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        deadline_s = time.monotonic() + timeout_s
+        self._sock = self._connect(host, port, timeout_s, setup)
+        self._tls = setup.tls is not None
+        # SO_RCVLOWAT batches a scattered receive on TCP only (poll ignores it on unix sockets; over TLS the bytes
+        # on the socket are records, not the reply's bytes).
+        self._use_rcvlowat = not self._tls and setup.unix_path is None
         self._sock_timeout_s = timeout_s
         self._buf = bytearray(_READ_BUFFER_BYTES)
         self._view = memoryview(self._buf)
@@ -101,6 +138,52 @@ class RespConnection:
         self._poller = select.poll()  # waits for bytes of a scatter receive (outside its gate)
         self._poller.register(self._sock, select.POLLIN)
         self._rcvlowat_bytes = 1  # the socket's SO_RCVLOWAT (raised only while a scattered receive waits)
+        self._hello(setup, deadline_s)
+
+    def _connect(self, host: str, port: int, timeout_s: float, setup: RespSetup) -> socket.socket:
+        sock = None
+        try:
+            if setup.unix_path is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout_s)
+                sock.connect(setup.unix_path)
+            else:
+                sock = socket.create_connection((host, port), timeout=timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if setup.tls is not None:  # the handshake runs here, bounded by the socket's timeout
+                sock = setup.tls.wrap_socket(sock, server_hostname=setup.tls_server_name or host)
+            return sock
+        except TimeoutError as exc:
+            _close_quietly(sock)
+            raise BackendTimeoutError(f"{self.server}: connect timed out after {timeout_s:g} s") from exc
+        except ssl.SSLCertVerificationError as exc:
+            _close_quietly(sock)
+            raise BackendError(f"{self.server}: TLS: the server's certificate was refused: "
+                               f"{exc.verify_message or exc}") from exc
+        except ssl.SSLError as exc:
+            _close_quietly(sock)
+            raise BackendError(f"{self.server}: TLS handshake failed: {exc}") from exc
+        except OSError as exc:
+            _close_quietly(sock)
+            raise BackendError(f"{self.server}: cannot connect: {exc}") from exc
+
+    def _hello(self, setup: RespSetup, deadline_s: float) -> None:
+        """``AUTH`` and ``SELECT`` in one round trip, within the connect deadline (closes the connection on error)."""
+        commands: list[tuple[Arg, ...]] = []
+        if setup.username or setup.password:
+            commands.append((b"AUTH", setup.username, setup.password or "") if setup.username
+                            else (b"AUTH", setup.password or ""))
+        if setup.db:
+            commands.append((b"SELECT", setup.db))
+        if not commands:
+            return
+        try:
+            self._call(commands, [None] * len(commands), deadline_s, parse=True)
+        except RespCommandError as exc:
+            self.close()
+            idx, message = exc.errors[0]
+            what = "AUTH" if commands[idx][0] == b"AUTH" else f"SELECT {setup.db}"
+            raise BackendError(f"{self.server}: the server refused {what}: {message}") from None
 
     def close(self) -> None:
         """Close the socket; later calls raise :class:`BackendError`. Idempotent."""
@@ -204,6 +287,12 @@ class RespConnection:
             self._sock_timeout_s = remaining_s
 
     def _send(self, pieces: list[memoryview], deadline_s: float) -> None:
+        if self._tls:  # SSLSocket has no sendmsg: one send per piece (the small parts are already merged)
+            for piece in pieces:
+                while piece.nbytes:
+                    self._settimeout(deadline_s)
+                    piece = piece[self._sock.send(piece):]
+            return
         idx = 0
         while idx < len(pieces):
             self._settimeout(deadline_s)
@@ -299,6 +388,9 @@ class RespConnection:
             return
         self._sock.settimeout(0.0)  # non-blocking receives; the next _settimeout re-arms the deadline
         self._sock_timeout_s = 0.0
+        if self._tls:
+            self._read_scatter_tls(dest, idx, off, left, deadline_s)
+            return
         while left:
             iov = [pieces[idx][off:]]
             room = iov[0].nbytes
@@ -331,14 +423,55 @@ class RespConnection:
                     idx, off = idx + 1, 0
         self._set_rcvlowat(1)  # replies' headers are read by waits for any byte (every failure closes the connection)
 
+    def _read_scatter_tls(self, dest: ScatterDest, idx: int, off: int, left: int, deadline_s: float) -> None:
+        """The TLS form of :meth:`_read_scatter`'s receive loop (the socket is non-blocking): one ``recv_into``
+        per piece, inside the gate; waiting (outside it) only when the TLS layer holds no decrypted byte."""
+        pieces, digest = dest.pieces, dest.digest
+        while left:
+            view = pieces[idx][off:off + min(pieces[idx].nbytes - off, left)]
+            with dest.gate:
+                try:
+                    received = self._sock.recv_into(view)
+                except ssl.SSLWantReadError:
+                    received = -1
+                except ssl.SSLWantWriteError:  # the TLS layer must send first (a key update): wait to write
+                    received = -2
+            if received == 0:
+                raise BackendError("server closed the connection")
+            if received < 0:
+                self._wait_readable(deadline_s, select.POLLIN if received == -1 else select.POLLOUT)
+                continue
+            if digest is not None:
+                digest.update(view[:received])
+            left -= received
+            off += received
+            if off == pieces[idx].nbytes:
+                idx, off = idx + 1, 0
+
     def _set_rcvlowat(self, size_bytes: int) -> None:
+        if not self._use_rcvlowat:
+            return
         if size_bytes != self._rcvlowat_bytes:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, size_bytes)
             self._rcvlowat_bytes = size_bytes
 
-    def _wait_readable(self, deadline_s: float) -> None:
+    def _wait_readable(self, deadline_s: float, events: int = select.POLLIN) -> None:
+        """Wait until the socket can be read (``events``: or written), or raise ``TimeoutError`` at the deadline.
+
+        Over TLS, bytes already decrypted inside the ``SSLSocket`` are not on the socket, so ``poll`` would not see
+        them: ``pending()`` is asked first."""
+        if self._tls and events == select.POLLIN and self._sock.pending():
+            return
         remaining_s = deadline_s - time.monotonic()
-        if remaining_s <= 0 or not self._poller.poll(math.ceil(remaining_s * 1000)):
+        if remaining_s <= 0:
+            raise TimeoutError("deadline passed")
+        if events != select.POLLIN:
+            poller = select.poll()
+            poller.register(self._sock, events)
+            ready = poller.poll(math.ceil(remaining_s * 1000))
+        else:
+            ready = self._poller.poll(math.ceil(remaining_s * 1000))
+        if not ready:
             raise TimeoutError("deadline passed")
 
     def _read_reply(self, dest: memoryview | ScatterDest | None, deadline_s: float, parse: bool) -> object:
@@ -369,6 +502,14 @@ class RespConnection:
             items = [self._read_reply(None, deadline_s, parse) for _ in range(count)]
             return [BackendError(i) if isinstance(i, _ErrorReply) else i for i in items] if parse else count
         raise BackendError(f"unexpected reply type {line[:16]!r}")
+
+
+def _close_quietly(sock: socket.socket | None) -> None:
+    if sock is not None:
+        try:
+            sock.close()
+        except OSError:
+            pass
 
 
 class _ErrorReply(str):
