@@ -58,6 +58,14 @@ Usage::
     .venv/bin/python bench/granularity.py                 # full run (512 MiB, C = 32..1024, LMCache rows)
     .venv/bin/python bench/granularity.py --smoke         # 16 MiB, C = 32 and 128, 2 repeats, no LMCache
     .venv/bin/python bench/granularity.py --no-lmcache --chunk-tokens 32,1024
+    .venv/bin/python bench/granularity.py --no-lmcache --backends valkey --security   # AUTH and TLS beside plain
+
+``--security`` restores the same payload three ways, interleaved in one group of rounds: ``range_valkey`` (plain
+TCP, no AUTH), ``range_valkey_auth`` (a second embedded server with ``requirepass``; the password in the URL, so
+every RESP connection sends ``AUTH`` once) and ``range_valkey_tls`` (``valkeys://`` through the TLS-terminating relay
+of ``range_connector/testing/tls_relay.py``, run as a process of its own, in front of the plain server, with a CA made
+for the run; the relay's encryption runs on the same machine). The JSON's ``security`` section has each row's median against
+``range_valkey``'s at every chunk size (``auth_over_plain``, ``tls_over_plain``: > 1 is slower).
 """
 
 from __future__ import annotations
@@ -170,6 +178,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backends", default="memory,valkey,file",
                    help="Range backends (memory, valkey, file; file only when FileBackend exists)")
     p.add_argument("--no-lmcache", action="store_true", help="skip the shim rows (LMCache, plain, resident_shim)")
+    p.add_argument("--security", action="store_true",
+                   help="with the valkey backend: also range_valkey_auth (AUTH) and range_valkey_tls (TLS relay) rows,\n"
+                        "interleaved with range_valkey, and their ratios in the JSON's `security` section")
     p.add_argument("--shim-paths", default=",".join(SHIM_PATHS), help="shim paths to run")
     p.add_argument("--lmcache-timeout-s", type=float, default=150.0, help="limit per shim child (one path, one C)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold file rows")
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime_dir = tmp / "valkey-runtime"
     valkey_url = None
     stats = None
+    secure: SecureServers | None = None
     rows: list[dict[str, Any]] = []
     try:
         need_valkey = "valkey" in args.backend_list or not args.no_lmcache
@@ -248,9 +260,13 @@ def main(argv: list[str] | None = None) -> int:
             from range_connector.backends.valkey.servers import ensure_servers
 
             try:
-                valkey_url = ensure_servers(1, runtime_dir)[0]
+                urls = ensure_servers(2 if args.security else 1, runtime_dir)
+                valkey_url = urls[0]
                 stats = ServerStats(valkey_url)
                 log(f"  valkey server {valkey_url} (runtime dir {runtime_dir})")
+                if args.security and "valkey" in args.backend_list:
+                    secure = SecureServers(valkey_url, urls[1], tmp / "pki")
+                    log(f"  AUTH server {secure.auth_url_shown}, TLS relay {secure.tls_url} -> {valkey_url}")
             except Exception as exc:
                 notes.append(f"no Valkey server: {type(exc).__name__}: {exc}")
                 log(f"  no Valkey server: {exc}")
@@ -281,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             groups.append(("resident", [ResidentCase(c, args, payload) for c in args.chunks],
                            [(lambda case: "resident", False)]))
-        if "valkey" in args.backend_list and valkey_url:
+        if "valkey" in args.backend_list and valkey_url and secure is not None:
+            groups.append(("valkey + auth + tls", secure.cases(args, payload, valkey_url),
+                           [(lambda case: case.row_path, False)]))
+        elif "valkey" in args.backend_list and valkey_url:
             groups.append(("valkey", [RangeCase("valkey", c, args, payload, valkey_url, None, None)
                                       for c in args.chunks], [(lambda case: "range_valkey", False)]))
         if file_factory is not None:
@@ -330,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     _progress(row)
     finally:
+        if secure is not None:
+            secure.close()
         if stats is not None:
             with contextlib.suppress(Exception):
                 stats.flush()
@@ -372,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     doc["analysis"] = analyse(rows, args.chunks, args.payload_tokens)
+    if args.security:
+        doc["security"] = security_ratios(rows, secure)
+        log(f"security (median restore against range_valkey): {json.dumps(doc['security']['ratios'])}")
     out_json.parent.mkdir(parents=True, exist_ok=True)
     png = out_json.with_suffix(".png")
     doc["plot"] = None if args.no_plot else plot(doc, png)
@@ -383,6 +407,70 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wall time {doc['wall_s']:.0f} s")
     bad = [r for r in rows if r.get("family") == "range" and r.get("status") != "ok"]
     return 1 if bad else 0
+
+
+class SecureServers:
+    """``--security``: AUTH on a second embedded server (``requirepass`` set now) and a TLS relay in front of the
+    plain one; :meth:`cases` builds the interleaved plain/AUTH/TLS cases."""
+
+    PASSWORD = "granularity-bench-Pa55"
+
+    def __init__(self, plain_url: str, auth_server_url: str, pki_dir: Path) -> None:
+        from urllib.parse import urlsplit
+
+        import valkey
+
+        from range_connector.testing.tls_relay import RelayProcess, make_test_pki
+
+        admin = valkey.Valkey.from_url(auth_server_url, socket_timeout=10)
+        try:
+            admin.config_set("requirepass", self.PASSWORD)
+        finally:
+            admin.close()
+        auth = urlsplit(auth_server_url)
+        self.auth_url = f"valkey://:{self.PASSWORD}@{auth.hostname}:{auth.port}"
+        self.auth_url_shown = f"valkey://***@{auth.hostname}:{auth.port}"
+        plain = urlsplit(plain_url)
+        self.pki = make_test_pki(pki_dir)
+        self.relay = RelayProcess(pki_dir, plain.hostname or "127.0.0.1", plain.port or 6379)
+        self.tls_url = self.relay.url()
+
+    def cases(self, args: argparse.Namespace, payload: Payload, plain_url: str) -> list[RangeCase]:
+        from range_connector.backends.valkey.urls import ValkeyAccess
+
+        out = []
+        for path, url, access, stats_url in (
+                ("range_valkey", plain_url, None, None),
+                ("range_valkey_auth", self.auth_url, None, None),
+                ("range_valkey_tls", self.tls_url, ValkeyAccess(tls_ca_file=str(self.pki.ca_file)), plain_url)):
+            for c in args.chunks:
+                case = RangeCase("valkey", c, args, payload, url, None, None)
+                case.row_path, case.valkey_access, case.stats_url = path, access, stats_url
+                out.append(case)
+        return out
+
+    def close(self) -> None:
+        self.relay.close()
+
+
+def security_ratios(rows: list[dict[str, Any]], secure: SecureServers | None) -> dict[str, Any]:
+    """Each security row's median restore time over ``range_valkey``'s, per chunk size (> 1: slower)."""
+    medians: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("restore_s_median"):
+            medians.setdefault(r["path"], {})[r["chunk_tokens"]] = r["restore_s_median"]
+    plain = medians.get("range_valkey", {})
+    ratios = {name: {str(c): round(t / plain[c], 4) for c, t in sorted(medians.get(path, {}).items()) if c in plain}
+              for name, path in (("auth_over_plain", "range_valkey_auth"), ("tls_over_plain", "range_valkey_tls"))}
+    return {"ratios": ratios,
+            "gib_per_s": {p: {str(c): r["gib_per_s"] for r in rows if r["path"] == p and r.get("gib_per_s")
+                              for c in [r["chunk_tokens"]]}
+                          for p in ("range_valkey", "range_valkey_auth", "range_valkey_tls")},
+            "setup": None if secure is None else {
+                "auth": "second embedded server with requirepass; password in the URL (AUTH once per connection)",
+                "tls": "valkeys:// through range_connector/testing/tls_relay.py (asyncio, a process of its own) in "
+                       "front of the plain server; CA and server certificate made for the run "
+                       f"({secure.pki.made_with})"}}
 
 
 def _progress(row: dict[str, Any]) -> None:

@@ -169,15 +169,17 @@ class RangeCase:
                               "loader share one in-process MemoryBackend")
         elif self.backend == "valkey":
             from range_connector.backends.valkey.client import ValkeyBackend
+            from range_connector.backends.valkey.urls import redact_url
 
             assert self.valkey_url
-            saver_b = ValkeyBackend(self.valkey_url, timeout_s=300.0)
-            loader_b = ValkeyBackend(self.valkey_url, timeout_s=300.0)
-            lookup_b = ValkeyBackend(self.valkey_url, timeout_s=300.0)
+            access = getattr(self, "valkey_access", None)  # (set by --security: credentials, TLS files)
+            saver_b = ValkeyBackend(self.valkey_url, timeout_s=300.0, access=access)
+            loader_b = ValkeyBackend(self.valkey_url, timeout_s=300.0, access=access)
+            lookup_b = ValkeyBackend(self.valkey_url, timeout_s=300.0, access=access)
             self.closers += [saver_b.close, loader_b.close]
-            self.stats = ServerStats(self.valkey_url)
+            self.stats = ServerStats(getattr(self, "stats_url", None) or self.valkey_url)  # (the server itself)
             self.closers.append(self.stats.close)
-            info = {"valkey_url": self.valkey_url, "valkey_data_path": valkey_data_path()}
+            info = {"valkey_url": redact_url(self.valkey_url), "valkey_data_path": valkey_data_path()}
             self.driven_by = ("RangeWorker.save / RangeScheduler.stored_prefix (MGET of tickets) / "
                               "RangeWorker.start_load; saver, loader and scheduler each own a ValkeyBackend")
         elif self.backend == "file":

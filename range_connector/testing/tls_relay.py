@@ -7,8 +7,9 @@
 asyncio event loop in a thread of its own (the TLS side through asyncio's SSL protocol, so each TLS connection is
 driven by one thread only); ``require_client_cert`` makes it refuse clients without a certificate from the CA.
 
-The relay's own encryption runs in the same process as whatever drives it: a benchmark row through it measures the
-client's TLS receive path plus the relay's TLS send path on the same machine.
+In-process, the relay's event loop shares the interpreter (and its lock) with whatever drives it; a benchmark runs
+it as a process of its own instead (:class:`RelayProcess`: ``python -m range_connector.testing.tls_relay``), so a row
+through it measures the client's TLS receive path, with the relay's TLS send path on another core of the machine.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import contextlib
 import shutil
 import ssl
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TestPki", "TlsRelay", "TlsUnavailableError", "make_test_pki"]
+__all__ = ["RelayProcess", "TestPki", "TlsRelay", "TlsUnavailableError", "make_test_pki"]
 
 _PUMP_BYTES = 256 * 1024
 _STOP_TIMEOUT_S = 10.0
@@ -53,6 +55,11 @@ class TestPki:
     made_with: str
 
 
+def _pki_in(directory: Path, made_with: str = "openssl") -> TestPki:
+    return TestPki(directory / "ca.pem", directory / "server.pem", directory / "server.key",
+                   directory / "client.pem", directory / "client.key", made_with)
+
+
 def make_test_pki(directory: Path) -> TestPki:
     """Write a CA, a server and a client certificate (EC P-256, valid 2 days) into ``directory``.
 
@@ -61,8 +68,7 @@ def make_test_pki(directory: Path) -> TestPki:
         subprocess.CalledProcessError: ``openssl`` failed.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    pki = TestPki(directory / "ca.pem", directory / "server.pem", directory / "server.key",
-                  directory / "client.pem", directory / "client.key", "openssl")
+    pki = _pki_in(directory)
     if shutil.which("openssl"):
         _make_with_openssl(directory, pki)
         return pki
@@ -72,7 +78,7 @@ def make_test_pki(directory: Path) -> TestPki:
         raise TlsUnavailableError("no `openssl` command and no `cryptography` package to make test certificates") \
             from None
     _make_with_cryptography(pki)
-    return TestPki(**{**pki.__dict__, "made_with": "cryptography"})
+    return _pki_in(directory, "cryptography")
 
 
 def _make_with_openssl(directory: Path, pki: TestPki) -> None:
@@ -220,6 +226,62 @@ class TlsRelay:
         self.close()
 
 
+class RelayProcess:
+    """A :class:`TlsRelay` in a child process of its own (for benchmarks); a context manager. The child stops
+    when :meth:`close` closes its stdin (or when this process dies), and is killed if it does not.
+
+    Args:
+        pki_dir: a directory :func:`make_test_pki` wrote.
+        target_host, target_port: the plain server.
+
+    Attributes:
+        port: the port the child's relay listens on.
+    """
+
+    def __init__(self, pki_dir: Path, target_host: str, target_port: int) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "range_connector.testing.tls_relay", str(pki_dir),
+                                       target_host, str(target_port)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self._proc.stdout.readline() if self._proc.stdout else ""
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError(f"the TLS relay process did not start (it printed {line!r})")
+        self.port = int(line)
+
+    def url(self, credentials: str = "", db: int | None = None) -> str:
+        """``valkeys://[credentials@]127.0.0.1:<port>[/db]``."""
+        who = f"{credentials}@" if credentials else ""
+        return f"valkeys://{who}127.0.0.1:{self.port}" + ("" if db is None else f"/{db}")
+
+    def close(self) -> None:
+        """Stop the child (stdin closed, then SIGKILL after 5 s). Idempotent."""
+        if self._proc.poll() is None:
+            with contextlib.suppress(OSError):
+                if self._proc.stdin:
+                    self._proc.stdin.close()
+            try:
+                self._proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5.0)
+
+    def __enter__(self) -> RelayProcess:  # noqa: PYI034 (Python 3.10: no typing.Self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m range_connector.testing.tls_relay PKI_DIR HOST PORT``: print the relay's port, serve until stdin
+    closes."""
+    pki_dir, host, port = argv
+    with TlsRelay(_pki_in(Path(pki_dir)), host, int(port)) as relay:
+        print(relay.port, flush=True)
+        sys.stdin.read()
+    return 0
+
+
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Copy ``reader`` to ``writer`` until end of stream, then half-close (or close) ``writer``."""
     try:
@@ -230,3 +292,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         pass
     finally:
         writer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,7 +1,8 @@
 """Smoke run of ``bench/granularity.py``: the sweep's rows exist and Range restores byte-exact.
 
-Runs ``bench/granularity.py --smoke`` (16 MiB payload, chunk sizes 32 and 128, 2 repeats, no LMCache) as a
-subprocess with a loopback Valkey server of its own, and checks the JSON it writes.
+Runs ``bench/granularity.py --smoke --security`` (16 MiB payload, chunk sizes 32 and 128, 2 repeats, no LMCache;
+Valkey also with AUTH and through a TLS relay) as a subprocess with loopback Valkey servers of its own, and checks
+the JSON it writes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _file_backend_exists() -> bool:
 def test_granularity_smoke(tmp_path: Path) -> None:
     out = tmp_path / "granularity.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--results-dir", str(tmp_path), "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--smoke", "--security", "--results-dir", str(tmp_path), "--out", str(out)],
         capture_output=True, text=True, timeout=110, cwd=str(REPO),
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -45,7 +46,7 @@ def test_granularity_smoke(tmp_path: Path) -> None:
     assert doc["config"]["payload_bytes"] == 16 << 20
     assert not any(r["path"].startswith("lmcache_") for r in doc["rows"]), "smoke mode runs no LMCache rows"
 
-    expected = ["range_memory", "range_valkey", "resident"]
+    expected = ["range_memory", "range_valkey", "range_valkey_auth", "range_valkey_tls", "resident"]
     if _file_backend_exists():
         expected.append("range_file_warm")
     else:
@@ -73,6 +74,15 @@ def test_granularity_smoke(tmp_path: Path) -> None:
         assert len(launches) == 1, f"{path} copy launches vary with N: {launches}"
     server = {json.dumps(rows[("range_valkey", c)]["server_commands_restore"], sort_keys=True) for c in SMOKE_CHUNKS}
     assert len(server) == 1, f"Valkey server commands vary with N: {server}"
+
+    # --security: AUTH and TLS restore the same bytes with the same commands, and their ratios are reported.
+    for c in SMOKE_CHUNKS:
+        assert rows[("range_valkey_auth", c)]["server_commands_restore"] == rows[("range_valkey", c)][
+            "server_commands_restore"]
+    ratios = doc["security"]["ratios"]
+    assert set(ratios["auth_over_plain"]) == set(ratios["tls_over_plain"]) == {str(c) for c in SMOKE_CHUNKS}
+    assert all(v > 0 for r in ratios.values() for v in r.values())
+    assert "***" in rows[("range_valkey_auth", 32)]["valkey_url"]
 
     analysis = doc["analysis"]
     assert set(analysis["acceptance"]["range_flat"]) >= {"range_memory", "range_valkey"}
