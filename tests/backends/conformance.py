@@ -10,9 +10,9 @@ lowered value limit), the server-side command counts (Valkey ``INFO commandstats
 tier still holds, and an audit of the tier's own byte accounting. ``test_valkey_failures.py`` covers deadlines and
 failures that only a remote tier has.
 
-The Valkey tier runs twice: ``valkey`` (database 0) and ``valkey-db1`` (database 1, selected once per connection);
-both take the bulk data path through our own RESP connection (AUTH, TLS and unix sockets too:
-``test_valkey_security.py``). Cases (``/work/shared/cases/README.md``): C15, C16, C19,
+The Valkey tier runs twice: ``valkey`` (database 0, no password) and ``valkey-auth-db1`` (a server that requires a
+password, database 1: ``AUTH`` and ``SELECT`` once per connection); both take the bulk data path through our own RESP
+connection (TLS and unix sockets too: ``test_valkey_security.py``). Cases (``/work/shared/cases/README.md``): C15, C16, C19,
 C21, C27.
 
 This module holds no tests. A new backend joins the suite with a :class:`Store` here and a parameter of the
@@ -43,7 +43,7 @@ MiB = 1 << 20
 SERVER_LIMIT_BYTES = 1 * MiB  # the smallest proto-max-bulk-len Valkey accepts
 # Server-side commands that are not the call being measured: the measuring's own INFO, and the handshake of a fresh
 # connection (it introduces itself and selects its database).
-_MEASURING_COMMANDS = ("info", "client", "hello", "ping", "select")
+_MEASURING_COMMANDS = ("info", "client", "hello", "ping", "select", "auth")  # (auth: the measuring client logs in)
 
 
 # ---------------------------------------------------------------------------------------------------- stripes

@@ -14,8 +14,10 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ from range_connector.worker.direct_receive import WriteGate
 from tests.backends.conformance import make_stripe, read_whole
 
 PASSWORD = "s3cret-Pa55-for-tests"
+WIDE_S = 20.0  # only a hang takes this long
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)
 
@@ -352,3 +355,39 @@ def test_tls_config_keys_are_checked_at_start_up(pki, tmp_path: Path) -> None:
         RangeConfig.from_extra_config({"tiers": [{"type": "memory", "security": {"tls_ca_file": "x"}}]})
     for url in ("valkeys://u:p@host:1/2", "rediss://host", "unix:///run/v.sock?db=3", "valkey://:p@[::1]:7/0"):
         RangeConfig.from_extra_config(tier([url]))
+
+
+def test_tls_scatter_read_of_a_stalled_reply_ends_at_the_deadline(pki) -> None:
+    """A server that sends the head of a bulk reply and then nothing: the TLS scatter path waits (outside the gate)
+    only until the call's deadline, then closes the connection."""
+    from range_connector.backends.valkey.resp import RespConnection, RespSetup
+    from range_connector.backends.valkey.urls import tls_context
+    from range_connector.errors import BackendTimeoutError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    release = threading.Event()
+
+    def stall() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"$100000\r\n" + b"x" * 40_000)
+            release.wait(WIDE_S)
+
+    thread = threading.Thread(target=stall, daemon=True)
+    thread.start()
+    try:
+        with TlsRelay(pki, "127.0.0.1", listener.getsockname()[1]) as relay:
+            conn = RespConnection("127.0.0.1", relay.port, 5.0, RespSetup(tls=tls_context(
+                ValkeyAccess(tls_ca_file=str(pki.ca_file)))))
+            buf = bytearray(100_000)
+            pieces = tuple(memoryview(buf)[i:i + 30_000] for i in range(0, 100_000, 30_000))
+            start = time.monotonic()
+            with pytest.raises(BackendTimeoutError):
+                conn.execute_into([[b"GET", b"k"]], [ScatterDest(pieces, WriteGate())], deadline_s=start + 0.5)
+            assert 0.5 <= time.monotonic() - start < WIDE_S
+            assert conn.closed and bytes(buf[:40_000]) == b"x" * 40_000 and not any(buf[40_000:])
+    finally:
+        release.set()
+        thread.join(WIDE_S)
+        listener.close()
