@@ -7,9 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
-from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE, PROM_REJECTED
+from range_connector.metrics import (
+    GATE_DECISIONS,
+    PROM_COUNTERS,
+    PROM_GATE,
+    PROM_REJECTED,
+)
 from range_connector.scheduler.request_input import REJECTION_STATS
 
 if TYPE_CHECKING:

@@ -23,7 +23,12 @@ from range_connector.scheduler.request_input import (
     RequestInputs,
     parse_request_input,
 )
-from tests.unit.scheduler_worker_harness import Engine, FakeRequest, prompt_tokens, shard_backends
+from tests.unit.scheduler_worker_harness import (
+    Engine,
+    FakeRequest,
+    prompt_tokens,
+    shard_backends,
+)
 
 BIG_TEXT = "x" * 10_000_000  # 10 MB
 SETTINGS = {"namespace": "ab" * 32, "block_size": 16}
