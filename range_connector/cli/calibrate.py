@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -285,6 +286,27 @@ class CalibrateOptions:
     engine_t0_s: float = 0.0
     start_timeout_s: float = 300.0
     table_tokens: tuple[int, ...] = TABLE_PROMPT_TOKENS
+    #: leave running the embedded Valkey servers this run started (by default it stops them again)
+    keep_servers: bool = False
+
+
+def _own_embedded_servers(config: RangeConfig, keep: bool, report: Callable[[str], None],
+                          cleanup: contextlib.ExitStack) -> None:
+    """Start the tier's embedded servers now, and have ``cleanup`` stop them if this run started every one of them
+    (servers that were already running, even in part, are someone else's and are left alone), unless ``keep``."""
+    from range_connector.backends.valkey.servers import start_embedded, stop_servers
+
+    runtime_dir = Path(config.resolved_runtime_dir)
+    servers = start_embedded(config.num_shards, runtime_dir, start_timeout_s=config.tier.start_timeout_s,
+                             maxmemory_bytes=config.tier.embedded_maxmemory_bytes)
+    if len(servers.started_shard_idxs) < len(servers.urls):
+        report(f"embedded Valkey servers in {runtime_dir} were already running: left running")
+    elif keep:
+        report(f"started {len(servers.urls)} embedded Valkey server(s) in {runtime_dir}; kept (--keep-servers): "
+               f"`range-connector valkey stop --runtime-dir {runtime_dir}` stops them")
+    else:
+        cleanup.callback(lambda: report(f"stopped {stop_servers(runtime_dir)} embedded Valkey server(s) this run "
+                                        f"started in {runtime_dir}"))
 
 
 def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = print) -> Calibration:
@@ -327,18 +349,20 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
                 report(f"prefill sweep against {server.base_url}")
                 prefill_points = measure_prefill(server.base_url, opts.prompt_tokens,
                                                  repeats=opts.prefill_repeats, vocab_size=vocab)
+    from range_connector.backends.valkey.urls import redact_url
+
     tier_points: dict[str, list[list[tuple[int, float]]]] = {}
     for name in opts.backends:
-        backends = open_shard_backends(configs[name])
-        try:
+        with contextlib.ExitStack() as cleanup:
+            if configs[name].tier.embedded:
+                _own_embedded_servers(configs[name], opts.keep_servers, report, cleanup)
+            backends = open_shard_backends(configs[name])
+            cleanup.callback(lambda bs=backends: [b.close() for b in unique_backends(bs)])
             tier_points[name] = []
             for shard_idx, backend in enumerate(unique_backends(backends)):
-                report(f"{name} shard {shard_idx}: {backend.name}")
+                report(f"{name} shard {shard_idx}: {redact_url(backend.name)}")
                 tier_points[name].append(measure_tier(backend, opts.read_bytes, num_layers=num_layers,
                                                       repeats=opts.read_repeats, report=report))
-        finally:
-            for backend in unique_backends(backends):
-                backend.close()
     calibration = build_calibration(prefill_points, tier_points, bytes_per_token=s,
                                     model=opts.model or opts.url, tokens_per_s=opts.tokens_per_s,
                                     engine_t0_s=opts.engine_t0_s)
