@@ -119,7 +119,6 @@ def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
         except (OSError, BackendError) as exc:  # (FileBackend reports a directory it cannot create as BackendError)
             raise ConfigError(tier.key_name("directory") if tier.directory else "runtime_dir", f"{root}: {exc}") from exc
     from range_connector.backends.valkey.client import ValkeyBackend
-
     from range_connector.backends.valkey.urls import redact_url
 
     backends: list[Backend] = []

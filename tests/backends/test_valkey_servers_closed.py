@@ -94,12 +94,12 @@ def test_servers_report_their_memory_limit_and_refuse_clients_without_the_passwo
     assert servers.maxmemory_bytes == 64 * MiB and servers.total_maxmemory_bytes == 128 * MiB
     assert servers.started_shard_idxs == (0, 1) and servers.password_protected
     for url in servers.urls:
-        with valkey.Valkey(host="127.0.0.1", port=_port(url), socket_timeout=2.0) as anonymous:
-            with pytest.raises(valkey.exceptions.AuthenticationError):
-                anonymous.get(b"rc2:used")
-        with valkey.Valkey(host="127.0.0.1", port=_port(url), password="not-it", socket_timeout=2.0) as wrong:
-            with pytest.raises(valkey.exceptions.AuthenticationError):
-                wrong.ping()
+        with valkey.Valkey(host="127.0.0.1", port=_port(url), socket_timeout=2.0) as anonymous, \
+                pytest.raises(valkey.exceptions.AuthenticationError):
+            anonymous.get(b"rc2:used")
+        with valkey.Valkey(host="127.0.0.1", port=_port(url), password="not-it", socket_timeout=2.0) as wrong, \
+                pytest.raises(valkey.exceptions.AuthenticationError):
+            wrong.ping()
         with valkey.Valkey.from_url(url, socket_timeout=2.0) as client:
             assert client.info("memory")["maxmemory"] == 64 * MiB
             assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"

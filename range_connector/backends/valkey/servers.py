@@ -80,8 +80,8 @@ __all__ = [
     "default_runtime_dir",
     "embedded_urls",
     "ensure_servers",
-    "start_embedded",
     "server_status",
+    "start_embedded",
     "stop_servers",
     "valkey_server_binary",
 ]
