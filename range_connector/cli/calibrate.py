@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.backends.valkey.urls import redact_url
 from range_connector.config import TIER_TYPES, RangeConfig
 from range_connector.config.keys import FLAT_TIER_KEYS
 from range_connector.cost.calibration_file import Calibration, fit_prefill_rate, fit_tier_line
@@ -156,7 +157,7 @@ def measure_tier(backend: Backend, read_bytes: Sequence[int], *, num_layers: int
         sid = uuid.uuid4().hex
         values = [memoryview(payload[i * layer_bytes:(i + 1) * layer_bytes]) for i in range(num_layers)]
         if not backend.write_stripe(StripeWrite(sid, values, ())):
-            raise RuntimeError(f"{backend.name}: no room for a {layer_bytes * num_layers}-byte calibration stripe")
+            raise RuntimeError(f"{redact_url(backend.name)}: no room for a {layer_bytes * num_layers}-byte calibration stripe")
         try:
             view = memoryview(dest)
             reads = [RangeRead(sid, i, 0, layer_bytes, layer_bytes, view[i * layer_bytes:(i + 1) * layer_bytes])
@@ -167,7 +168,7 @@ def measure_tier(backend: Backend, read_bytes: Sequence[int], *, num_layers: int
                 ok = backend.read_ranges(reads)
                 times.append(_clock() - start)
                 if not all(ok):
-                    raise RuntimeError(f"{backend.name}: calibration stripe {sid} was not read back")
+                    raise RuntimeError(f"{redact_url(backend.name)}: calibration stripe {sid} was not read back")
         finally:
             backend.drop_stripes([sid])
         total, median_s = layer_bytes * num_layers, statistics.median(times)
@@ -349,8 +350,6 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
                 report(f"prefill sweep against {server.base_url}")
                 prefill_points = measure_prefill(server.base_url, opts.prompt_tokens,
                                                  repeats=opts.prefill_repeats, vocab_size=vocab)
-    from range_connector.backends.valkey.urls import redact_url
-
     tier_points: dict[str, list[list[tuple[int, float]]]] = {}
     for name in opts.backends:
         with contextlib.ExitStack() as cleanup:
