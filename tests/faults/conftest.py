@@ -83,15 +83,18 @@ class Baseline:
         self.threads = threading.active_count()
         self.clients = {url: num_clients(url) for url in self.urls}
 
-    def check_live(self, engines: Sequence[Engine], urls: Sequence[str] | None = None) -> None:
-        """While the engines still run: no lease on any server, no transfer bank in use, no lease in any
-        scheduler's book."""
+    def check_live(self, engines: Sequence[Engine], urls: Sequence[str] | None = None, *,
+                   lease_expiry_s: float = 0.0) -> None:
+        """While the engines still run: no lease in any scheduler's book, no transfer bank in use, and no lease on
+        any server (``lease_expiry_s``: the leases whose release could not reach the server, frozen at the time,
+        expire by themselves within that: waited for, bounded)."""
         for e in engines:
             assert e.sched.num_leases == 0
             for w in e.workers:
                 assert w.banks.in_use == 0
         for url in self.urls if urls is None else urls:
-            assert scan_keys(url, "l") == [], f"leases left on {url}"
+            assert wait_until(lambda: scan_keys(url, "l") == [], timeout_s=lease_expiry_s + 0.01), (
+                f"leases left on {url}: {scan_keys(url, 'l')}")
 
     def check_closed(self, urls: Sequence[str] | None = None) -> None:
         """After every engine was closed: threads and connections back to what they were."""
@@ -167,3 +170,55 @@ def backends_for() -> Iterator[BackendMaker]:
     maker = BackendMaker()
     yield maker
     maker.close_all()
+
+
+@contextlib.contextmanager
+def empty_server_on(url: str, workdir) -> Iterator[None]:
+    """A fresh, empty valkey-server on the port of ``url`` (a shard restarted after a crash, its data lost), stopped
+    (by pid) at exit."""
+    import subprocess
+    from urllib.parse import urlparse
+
+    from range_connector.backends.valkey.servers import valkey_server_binary
+
+    port = urlparse(url).port
+    proc = subprocess.Popen([str(valkey_server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        def up() -> bool:
+            try:
+                with contextlib.closing(admin(url)) as c:
+                    return bool(c.ping())
+            except valkey.ValkeyError:
+                return False
+
+        assert wait_until(up), f"restarted server on {url} did not answer"
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5.0)
+
+
+def run_bounded(fn: Callable[[], object], timeout_s: float = SETTLE_S) -> object:
+    """Run ``fn`` on a thread and return its result; fail (instead of hanging the suite) if it outlives
+    ``timeout_s`` — a call that should have ended at its own deadline."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, name="fault-call")
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"call still running after {timeout_s} s: it outlived its deadline"
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out.get("value")
