@@ -93,7 +93,7 @@ class Baseline:
             for w in e.workers:
                 assert w.banks.in_use == 0
         for url in self.urls if urls is None else urls:
-            assert wait_until(lambda: scan_keys(url, "l") == [], timeout_s=lease_expiry_s + 0.01), (
+            assert wait_until(lambda url=url: scan_keys(url, "l") == [], timeout_s=lease_expiry_s + 0.01), (
                 f"leases left on {url}: {scan_keys(url, 'l')}")
 
     def check_closed(self, urls: Sequence[str] | None = None) -> None:
@@ -102,7 +102,7 @@ class Baseline:
             f"{threading.active_count()} threads, {self.threads} before: "
             f"{sorted(t.name for t in threading.enumerate())}")
         for url in self.urls if urls is None else urls:
-            assert wait_until(lambda: num_clients(url) <= self.clients[url]), (
+            assert wait_until(lambda url=url: num_clients(url) <= self.clients[url]), (
                 f"{num_clients(url)} clients on {url}, {self.clients[url]} before")
 
 
@@ -212,7 +212,7 @@ def run_bounded(fn: Callable[[], object], timeout_s: float = SETTLE_S) -> object
     def run() -> None:
         try:
             out["value"] = fn()
-        except BaseException as exc:  # handed to the test
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
             out["error"] = exc
 
     t = threading.Thread(target=run, name="fault-call")

@@ -8,17 +8,36 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from range_connector.backends.base import StripeWrite
 from range_connector.config import RangeConfig, TierConfig
-from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
+from range_connector.kv.metadata import (
+    ChunkTransfer,
+    RangeConnectorMetadata,
+    RequestTransfer,
+)
 from range_connector.kv.namespace import ChunkHash
 from range_connector.worker.facade import RangeWorker
-from tests.faults.conftest import Baseline, admin, assert_oracle, empty_server_on, num_clients, run_bounded, wait_until
-from tests.unit.scheduler_worker_harness import Engine, FakeRequest, FlakyBackend, produce, prompt_tokens
+from tests.faults.conftest import (
+    Baseline,
+    admin,
+    assert_oracle,
+    empty_server_on,
+    num_clients,
+    run_bounded,
+    wait_until,
+)
+from tests.unit.scheduler_worker_harness import (
+    Engine,
+    FakeRequest,
+    FlakyBackend,
+    produce,
+    prompt_tokens,
+)
 
 PROMPT = prompt_tokens(150, seed=77)
 
@@ -39,7 +58,13 @@ class WriteGate(FlakyBackend):
 
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    assert wait_until(gone)
 
 
 @pytest.mark.timeout(60)

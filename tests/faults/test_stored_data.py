@@ -14,7 +14,13 @@ import pytest
 
 from range_connector.kv.tickets import TICKET_VERSION, Ticket, ticket_key
 from range_connector.worker import loads
-from tests.faults.conftest import Baseline, admin, assert_oracle, scan_keys, stripe_value_key
+from tests.faults.conftest import (
+    Baseline,
+    admin,
+    assert_oracle,
+    scan_keys,
+    stripe_value_key,
+)
 from tests.unit.scheduler_worker_harness import (
     NUM_BLOCKS,
     Engine,
