@@ -20,7 +20,7 @@ non-contiguous destination block ids, and is verified byte for byte outside the 
   are collected inside the timed path; ``first_layer_s`` is when the first layer was handed over). Building
   the load metadata from the tickets (the scheduler's ``update_state_after_alloc`` work) is timed as ``plan``.
   Backends: ``memory`` (in-process DRAM tier; the scheduler keeps the index, learnt from the saving worker's
-  metadata, as in the engine), ``valkey`` (one loopback server from ``ensure_servers`` in a private runtime dir;
+  metadata, as in the engine), ``valkey`` (one open loopback server from ``ensure_servers(require_password=False)`` in a private runtime dir;
   saver, loader and scheduler each have their own connection), ``file`` (when
   ``range_connector.backends.file.backend.FileBackend`` exists; ``file_warm`` with the page cache warm and ``file_cold``
   after dropping it between repeats, untimed: ``/proc/sys/vm/drop_caches`` when allowed, else
@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             from range_connector.backends.valkey.servers import ensure_servers
 
             try:
-                urls = ensure_servers(2 if args.security else 1, runtime_dir)
+                # An open server, explicitly: the range_valkey rows measure the RESP reader without AUTH (embedded
+                # servers require a password by default); --security adds a second one whose password it sets.
+                urls = ensure_servers(2 if args.security else 1, runtime_dir, require_password=False)
                 valkey_url = urls[0]
                 stats = ServerStats(valkey_url)
                 log(f"  valkey server {valkey_url} (runtime dir {runtime_dir})")

@@ -436,8 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="range-partition-"))
     cases: list[Case] = []
     try:
-        part_urls = ensure_servers(max(SHARD_COUNTS), tmp / "partitioned")
-        shared_url = ensure_servers(1, tmp / "shared")[0]
+        # Open servers, explicitly: the RESP path without AUTH is what is measured (a passworded URL would take
+        # valkey-py's slower path), with room for every case's payload (the cases are not removed in between).
+        limit_bytes = max(1 << 30, 4 * args.payload_bytes)
+        part_urls = ensure_servers(max(SHARD_COUNTS), tmp / "partitioned", require_password=False,
+                                   maxmemory_bytes=limit_bytes)
+        shared_url = ensure_servers(1, tmp / "shared", require_password=False, maxmemory_bytes=limit_bytes)[0]
         for s in SHARD_COUNTS:
             cases.append(Case(s, "partitioned", part_urls[:s], args, payload, dst))
             if s > 1:

@@ -95,9 +95,10 @@ def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any]) 
         from range_connector.backends.valkey.servers import ensure_servers
 
         runtime_dir = run_dir / "valkey"
-        urls = ensure_servers(1, runtime_dir)
-        extra = {**range_extra, **RANGE_VARIANTS.get(config, {})}
-        return connector_config(with_tier_settings(extra, type="valkey", servers=urls)), [runtime_dir]
+        ensure_servers(1, runtime_dir)  # (started here so that its start-up is not the engine's)
+        # The engine finds the server and its password through runtime_dir: no password on its command line.
+        extra = {**range_extra, **RANGE_VARIANTS.get(config, {}), "runtime_dir": str(runtime_dir), "num_shards": 1}
+        return connector_config(with_tier_settings(extra, type="valkey")), [runtime_dir]
     if config == "example":
         storage = run_dir / "example-kv"
         storage.mkdir(parents=True, exist_ok=True)

@@ -147,5 +147,9 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
 }
 #: the cost-model gate's decisions, one counter with a ``decision`` label (stats key -> label value)
 PROM_GATE = ("vllm:range_gate_decisions", "Hits the cost-model gate took, shortened or refused, and its probes.")
+#: client input Range dropped (range_connector.scheduler.request_input), one counter with a ``kind`` label
+PROM_REJECTED = ("vllm:range_rejected_request_inputs",
+                 "Requests whose kv_transfer_params, cache salt, media ids or LoRA name Range dropped (wrong type or "
+                 "over its bound), by kind: the request was served without that part (docs/security.md).")
 GATE_DECISIONS: dict[str, str] = {"decisions_taken": "taken", "decisions_shortened": "shortened",
                                   "decisions_refused": "refused", "decisions_probes": "probe"}

@@ -54,7 +54,7 @@ def _started_servers(num_shards: int, runtime_dir: Path) -> Iterator[ValkeyServe
     _require_valkey_binary()
     pids: list[int] = []
     try:
-        urls = ensure_servers(num_shards, runtime_dir)
+        urls = ensure_servers(num_shards, runtime_dir, require_password=False)  # (the open RESP path; see servers.py)
         statuses = server_status(runtime_dir)
         pids = [status.pid for status in statuses]
         assert [status.url for status in statuses] == urls

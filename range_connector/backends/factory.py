@@ -20,22 +20,56 @@ logger = logging.getLogger("vllm." + __name__)
 def resolve_valkey_urls(config: RangeConfig) -> list[str]:
     """The configured URLs, or those of embedded servers (started if needed, shared through ``runtime_dir``).
 
+    Returns:
+        ``[num_shards]`` URLs; embedded servers' carry the runtime dir's password (redact before showing).
+
     Raises:
-        ConfigError: embedded servers cannot be started (names ``runtime_dir``).
+        ConfigError: embedded servers cannot be started (names ``runtime_dir``), or their settings contradict the
+            config (names ``embedded_maxmemory_bytes`` or ``capacity_bytes``).
+    """
+    return resolve_valkey_tier(config)[0]
+
+
+def resolve_valkey_tier(config: RangeConfig) -> tuple[list[str], int]:
+    """The valkey tier's URLs and its byte budget per shard (0: none): embedded servers are started if needed, and
+    their budget defaults to just under their memory limit (:func:`~range_connector.config.keys.embedded_budget_bytes`).
+
+    Raises:
+        ConfigError: as :func:`resolve_valkey_urls`.
     """
     tier = config.tier
     if tier.servers:
-        return list(tier.servers)
+        return list(tier.servers), tier.budget_bytes
     from pathlib import Path
 
-    from range_connector.backends.valkey.servers import ensure_servers
+    from range_connector.backends.valkey.servers import start_embedded
 
     try:
-        return ensure_servers(config.num_shards, Path(config.resolved_runtime_dir),
-                              start_timeout_s=tier.start_timeout_s)
+        servers = start_embedded(config.num_shards, Path(config.resolved_runtime_dir),
+                                 start_timeout_s=tier.start_timeout_s, maxmemory_bytes=tier.embedded_maxmemory_bytes)
     except (BackendError, OSError) as exc:
         raise ConfigError("runtime_dir", f"cannot start embedded Valkey servers in {config.resolved_runtime_dir}: "
                                          f"{exc}") from exc
+    except ConfigError as exc:
+        if exc.key == "embedded_maxmemory_bytes":  # (name it as the user wrote it)
+            raise ConfigError(tier.key_name("embedded_maxmemory_bytes"), str(exc).split(": ", 1)[1]) from exc
+        raise
+    budget_bytes = tier.budget_bytes_for(servers.maxmemory_bytes)
+    logger.info("embedded valkey in %s: %s; Range budget %s per shard (%s in all)", config.resolved_runtime_dir,
+                describe_limits(len(servers.urls), servers.maxmemory_bytes), gib(budget_bytes),
+                gib(budget_bytes * len(servers.urls)))
+    return list(servers.urls), budget_bytes
+
+
+def describe_limits(num_shards: int, maxmemory_bytes: int) -> str:
+    """``"2 shards x 1 GiB maxmemory = 2 GiB"``: embedded servers' limits and their total."""
+    return (f"{num_shards} shard{'s' if num_shards != 1 else ''} x {gib(maxmemory_bytes)} maxmemory = "
+            f"{gib(num_shards * maxmemory_bytes)}")
+
+
+def gib(num_bytes: int) -> str:
+    """``num_bytes`` in GiB for messages, three significant digits (``1 GiB``, ``0.938 GiB``)."""
+    return f"{num_bytes / (1 << 30):.3g} GiB"
 
 
 def open_shard_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = None) -> list[Backend]:
@@ -90,18 +124,20 @@ def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
         except (OSError, BackendError) as exc:  # (FileBackend reports a directory it cannot create as BackendError)
             raise ConfigError(tier.key_name("directory") if tier.directory else "runtime_dir", f"{root}: {exc}") from exc
     from range_connector.backends.valkey.client import ValkeyBackend
+    from range_connector.backends.valkey.urls import redact_url
 
     access = valkey_access(config)
     backends: list[Backend] = []
-    urls = resolve_valkey_urls(config)
+    urls, budget_bytes = resolve_valkey_tier(config)
     for url in (urls[s] for s in shard_idxs):
         try:
-            backends.append(ValkeyBackend(url, timeout_s=tier.timeout_s, capacity_bytes=tier.budget_bytes or None,
+            backends.append(ValkeyBackend(url, timeout_s=tier.timeout_s, capacity_bytes=budget_bytes or None,
                                           access=access))
         except BackendError as exc:
             for b in backends:
                 b.close()
-            raise ConfigError(tier.key_name("servers"), str(exc)) from None  # (the message names the URL redacted)
+            # (the backend's messages name the URL redacted already)
+            raise ConfigError(tier.key_name("servers"), str(exc).replace(url, redact_url(url))) from None
     return backends
 
 

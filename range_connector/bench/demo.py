@@ -283,7 +283,9 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayReque
         cleanup.callback(lambda: _log(f"stopped {stop_servers(valkey_dir)} Valkey server(s)"))
         urls = ensure_servers(NUM_SHARDS, valkey_dir)
         _log(f"Valkey: {NUM_SHARDS} shards at {', '.join(map(redact_url, urls))} (runtime dir {valkey_dir})")
-        common = {"chunk_tokens": CHUNK_TOKENS, "tiers": [{"type": "valkey", "servers": urls}]}
+        # The engines find the servers and their password through runtime_dir: no password on a command line.
+        common = {"chunk_tokens": CHUNK_TOKENS, "num_shards": NUM_SHARDS, "runtime_dir": str(valkey_dir),
+                  "tiers": [{"type": "valkey"}]}
         prefill = _engine(model_dir, run_dir, "prefill", "0", 1, connector_config(common, role="kv_producer"))
         decode = _engine(model_dir, run_dir, "decode", "1", 1, connector_config(common, role="kv_consumer"))
         cleanup.callback(lambda: _log("stopped the prefill and decode engines"))

@@ -13,7 +13,8 @@ topic (``doctor``), write its module and append its ``add_commands`` to :data:`_
 * :mod:`~range_connector.cli.proxy_command`: ``proxy``, the disaggregated-prefill proxy.
 
 Exit codes: 0 success, 1 a backend/runtime failure, 2 bad input (one line on stderr, no usage dump); ``patch check``
-also exits 3 when the patch is not applied (and 2 when the vLLM file is not the pinned one).
+also exits 3 when the patch is not applied (and 2 when the vLLM file is not the pinned one); ``valkey status`` exits 4
+when a recorded server is dead.
 
 Examples::
 

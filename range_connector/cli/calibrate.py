@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.backends.valkey.urls import redact_url
 from range_connector.config import TIER_TYPES, RangeConfig
 from range_connector.config.keys import FLAT_TIER_KEYS
 from range_connector.cost.calibration_file import Calibration, fit_prefill_rate, fit_tier_line
@@ -155,7 +157,7 @@ def measure_tier(backend: Backend, read_bytes: Sequence[int], *, num_layers: int
         sid = uuid.uuid4().hex
         values = [memoryview(payload[i * layer_bytes:(i + 1) * layer_bytes]) for i in range(num_layers)]
         if not backend.write_stripe(StripeWrite(sid, values, ())):
-            raise RuntimeError(f"{backend.name}: no room for a {layer_bytes * num_layers}-byte calibration stripe")
+            raise RuntimeError(f"{redact_url(backend.name)}: no room for a {layer_bytes * num_layers}-byte calibration stripe")
         try:
             view = memoryview(dest)
             reads = [RangeRead(sid, i, 0, layer_bytes, layer_bytes, view[i * layer_bytes:(i + 1) * layer_bytes])
@@ -166,7 +168,7 @@ def measure_tier(backend: Backend, read_bytes: Sequence[int], *, num_layers: int
                 ok = backend.read_ranges(reads)
                 times.append(_clock() - start)
                 if not all(ok):
-                    raise RuntimeError(f"{backend.name}: calibration stripe {sid} was not read back")
+                    raise RuntimeError(f"{redact_url(backend.name)}: calibration stripe {sid} was not read back")
         finally:
             backend.drop_stripes([sid])
         total, median_s = layer_bytes * num_layers, statistics.median(times)
@@ -285,6 +287,27 @@ class CalibrateOptions:
     engine_t0_s: float = 0.0
     start_timeout_s: float = 300.0
     table_tokens: tuple[int, ...] = TABLE_PROMPT_TOKENS
+    #: leave running the embedded Valkey servers this run started (by default it stops them again)
+    keep_servers: bool = False
+
+
+def _own_embedded_servers(config: RangeConfig, keep: bool, report: Callable[[str], None],
+                          cleanup: contextlib.ExitStack) -> None:
+    """Start the tier's embedded servers now, and have ``cleanup`` stop them if this run started every one of them
+    (servers that were already running, even in part, are someone else's and are left alone), unless ``keep``."""
+    from range_connector.backends.valkey.servers import start_embedded, stop_servers
+
+    runtime_dir = Path(config.resolved_runtime_dir)
+    servers = start_embedded(config.num_shards, runtime_dir, start_timeout_s=config.tier.start_timeout_s,
+                             maxmemory_bytes=config.tier.embedded_maxmemory_bytes)
+    if len(servers.started_shard_idxs) < len(servers.urls):
+        report(f"embedded Valkey servers in {runtime_dir} were already running: left running")
+    elif keep:
+        report(f"started {len(servers.urls)} embedded Valkey server(s) in {runtime_dir}; kept (--keep-servers): "
+               f"`range-connector valkey stop --runtime-dir {runtime_dir}` stops them")
+    else:
+        cleanup.callback(lambda: report(f"stopped {stop_servers(runtime_dir)} embedded Valkey server(s) this run "
+                                        f"started in {runtime_dir}"))
 
 
 def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = print) -> Calibration:
@@ -329,16 +352,16 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
                                                  repeats=opts.prefill_repeats, vocab_size=vocab)
     tier_points: dict[str, list[list[tuple[int, float]]]] = {}
     for name in opts.backends:
-        backends = open_shard_backends(configs[name])
-        try:
+        with contextlib.ExitStack() as cleanup:
+            if configs[name].tier.embedded:
+                _own_embedded_servers(configs[name], opts.keep_servers, report, cleanup)
+            backends = open_shard_backends(configs[name])
+            cleanup.callback(lambda bs=backends: [b.close() for b in unique_backends(bs)])
             tier_points[name] = []
             for shard_idx, backend in enumerate(unique_backends(backends)):
-                report(f"{name} shard {shard_idx}: {backend.name}")
+                report(f"{name} shard {shard_idx}: {redact_url(backend.name)}")
                 tier_points[name].append(measure_tier(backend, opts.read_bytes, num_layers=num_layers,
                                                       repeats=opts.read_repeats, report=report))
-        finally:
-            for backend in unique_backends(backends):
-                backend.close()
     calibration = build_calibration(prefill_points, tier_points, bytes_per_token=s,
                                     model=opts.model or opts.url, tokens_per_s=opts.tokens_per_s,
                                     engine_t0_s=opts.engine_t0_s)

@@ -35,6 +35,8 @@ def add_commands(subparsers: argparse._SubParsersAction[Parser]) -> None:
                      help="comma-separated backends to measure (default: the config's backend; '' for none)")
     cal.add_argument("--extra-config", default="{}", help="kv_connector_extra_config JSON (tiers, "
                      "num_shards, ...); embedded Valkey servers are used when it names none")
+    cal.add_argument("--keep-servers", action="store_true", help="leave running the embedded Valkey servers this "
+                     "run started (by default they are stopped at the end; servers already running are never stopped)")
     cal.add_argument("--output", type=Path, default=Path("range-calibration.json"), help="calibration file")
     cal.add_argument("--quick", action="store_true", help="fewer and shorter prompts, smaller reads, fewer repeats")
     cal.add_argument("--prompt-tokens", type=positive_ints, help="prompt lengths of the prefill sweep")
@@ -63,7 +65,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise ConfigError("--extra-config", f"not JSON ({exc})") from None
     if not isinstance(extra, dict):
         raise ConfigError("--extra-config", "not a JSON object")
-    backends = args.backends if args.backends is not None else (RangeConfig.from_extra_config(extra).backend,)
+    backends = args.backends if args.backends is not None else (RangeConfig.from_extra_config(extra).tier.type,)
     model = args.model
     if args.tiny:
         from range_connector.testing.tiny_models import build_model
@@ -80,7 +82,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         read_repeats=args.read_repeats or (3 if args.quick else 5), skip_prefill=args.skip_prefill,
         tokens_per_s=args.tokens_per_s, bytes_per_token=args.bytes_per_token, num_layers=args.num_layers,
         vocab_size=args.vocab_size, engine_t0_s=args.engine_t0_s, start_timeout_s=args.start_timeout_s,
-        table_tokens=args.table_tokens or c.TABLE_PROMPT_TOKENS)
+        table_tokens=args.table_tokens or c.TABLE_PROMPT_TOKENS, keep_servers=args.keep_servers)
     calibration = c.run_calibration(opts)
     try:
         header, rows = c.break_even_rows(calibration, opts.table_tokens)

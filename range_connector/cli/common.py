@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 __all__ = [
-    "EXIT_BAD_INPUT", "EXIT_FAILURE", "EXIT_OK", "EXIT_PATCH_NOT_APPLIED", "BadInput", "Parser", "print_table",
+    "EXIT_BAD_INPUT", "EXIT_FAILURE", "EXIT_OK", "EXIT_PATCH_NOT_APPLIED", "EXIT_SERVER_DEAD", "BadInput", "Parser", "print_table",
     "positive_float", "positive_int", "positive_ints",
 ]
 
@@ -23,6 +23,8 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_PATCH_NOT_APPLIED = 3
+#: ``valkey status``: a recorded server does not answer
+EXIT_SERVER_DEAD = 4
 
 
 class BadInput(Exception):

@@ -41,6 +41,8 @@ def add_commands(subparsers: argparse._SubParsersAction[Parser]) -> None:
                        help="deadline of one connection attempt, seconds (default: 5)")
     proxy.add_argument("--health-interval-s", type=positive_float, default=5.0,
                        help="seconds between health checks of every engine (default: 5)")
+    proxy.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                       help="largest client request body in bytes; larger ones get 413 (default: 67108864)")
     proxy.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     proxy.set_defaults(handler=_proxy)
 
@@ -66,6 +68,7 @@ def _proxy(args: argparse.Namespace) -> int:
             decode_timeout_s=args.decode_timeout_s or args.timeout_s,
             connect_timeout_s=args.connect_timeout_s,
             health_interval_s=args.health_interval_s,
+            **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
         )
     except ConfigError as exc:  # name the command-line option, not the config field
         option = "--" + exc.key.removesuffix("_urls").replace("_", "-")

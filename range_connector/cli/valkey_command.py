@@ -1,18 +1,28 @@
 """``range-connector valkey start|status|stop``: the embedded Valkey servers, one per shard.
 
 The servers themselves are run by :mod:`range_connector.backends.valkey.servers`; this module is the command's
-parsers and handlers only. Every sub-command takes ``--runtime-dir`` (alias ``--data-dir``), the folder of the
-servers' data dirs, logs, ``servers.json`` and lock. Each handler returns ``EXIT_OK``; failures raise (the entry
-point turns them into exit codes).
+parsers and handlers only. Every sub-command takes ``--runtime-dir``, the folder of the servers' record, lock,
+password, logs and working dirs (``--data-dir`` is its deprecated old name: nothing persists there, the servers keep
+no data on disk). Handlers return ``EXIT_OK`` (``status``: ``EXIT_SERVER_DEAD`` when a recorded server does not
+answer); failures raise (the entry point turns them into exit codes). No URL is printed with its password: the
+engine config printed by ``start`` names the runtime dir, where the engine finds the servers and their password.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from range_connector.cli.common import EXIT_OK, Parser, positive_float, positive_int, print_table
+from range_connector.cli.common import (
+    EXIT_OK,
+    EXIT_SERVER_DEAD,
+    Parser,
+    positive_float,
+    positive_int,
+    print_table,
+)
 
 __all__ = ["add_commands"]
 
@@ -20,18 +30,24 @@ __all__ = ["add_commands"]
 def _add_runtime_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runtime-dir",
-        "--data-dir",
         dest="runtime_dir",
         type=Path,
         default=None,
-        help="folder of the servers' data dirs (shard-<i>-data), logs, servers.json and lock (default: "
+        help="folder of the servers' record (servers.json), lock, password, logs and working dirs (default: "
         "$RANGE_CONNECTOR_RUNTIME_DIR, else $XDG_RUNTIME_DIR or the temp dir, /range-connector-<uid>)",
     )
+    parser.add_argument("--data-dir", dest="deprecated_data_dir", type=Path, default=None,
+                        help="deprecated name of --runtime-dir (the servers keep no data on disk: persistence is off)")
 
 
 def _runtime_dir(args: argparse.Namespace) -> Path:
     from range_connector.config.paths import default_runtime_dir
 
+    if args.deprecated_data_dir is not None:
+        print("warning: --data-dir is deprecated, write --runtime-dir (the servers keep no data on disk: "
+              "persistence is off, a stopped server loses its contents)", file=sys.stderr)
+        if args.runtime_dir is None:
+            return args.deprecated_data_dir
     return args.runtime_dir if args.runtime_dir is not None else default_runtime_dir()
 
 
@@ -42,42 +58,64 @@ def add_commands(subparsers: argparse._SubParsersAction[Parser]) -> None:
     valkey_commands.required = True
 
     start = valkey_commands.add_parser(
-        "start", help="start the servers unless they are running; print their URLs and the config line to use")
+        "start", help="start the servers unless they are running; print their addresses and the config to use")
     start.add_argument("--shards", type=positive_int, required=True,
                        help="number of shards, one server each (with prefill context parallelism of size P: P, or a "
                        "multiple of P)")
+    start.add_argument("--maxmemory-bytes", type=positive_int, default=None,
+                       help="memory limit of each server, per shard (the node's total is this x --shards; default: "
+                       "the running servers' limit, else 1073741824 = 1 GiB); the config key is "
+                       "tiers[0].embedded_maxmemory_bytes")
     start.add_argument(
         "--start-timeout-s", type=positive_float, default=10.0, help="seconds to wait for each server to answer"
     )
     _add_runtime_dir_option(start)
     start.set_defaults(handler=_valkey_start)
 
-    status = valkey_commands.add_parser("status", help="show the recorded servers, their memory and key counts")
+    status = valkey_commands.add_parser(
+        "status", help=f"show the recorded servers, their memory and key counts; exit {EXIT_SERVER_DEAD} when one is "
+        "dead")
     _add_runtime_dir_option(status)
     status.set_defaults(handler=_valkey_status)
 
-    stop = valkey_commands.add_parser("stop", help="stop the recorded servers")
+    stop = valkey_commands.add_parser("stop", help="stop the recorded servers (their contents are lost)")
     stop.add_argument("--timeout-s", type=positive_float, default=5.0, help="grace period before SIGKILL")
     _add_runtime_dir_option(stop)
     stop.set_defaults(handler=_valkey_stop)
 
 
 def _valkey_start(args: argparse.Namespace) -> int:
-    from range_connector.backends.valkey.servers import ensure_servers, server_status
+    from range_connector.backends.factory import describe_limits, gib
+    from range_connector.backends.valkey.records import PASSWORD_FILE_NAME
+    from range_connector.backends.valkey.servers import server_status, start_embedded
+    from range_connector.backends.valkey.urls import redact_url
+    from range_connector.config.keys import embedded_budget_bytes
 
     runtime_dir = _runtime_dir(args)
-    urls = ensure_servers(args.shards, runtime_dir, start_timeout_s=args.start_timeout_s)
-    data_dirs = {status.url: status.data_dir for status in server_status(runtime_dir)}
-    print(f"{len(urls)} Valkey server(s) running (runtime dir {runtime_dir}); the servers never talk to each other:")
-    for shard_idx, url in enumerate(urls):
-        print(f"  shard {shard_idx}: {url}  data dir {data_dirs.get(url, '?')}")
+    servers = start_embedded(args.shards, runtime_dir, start_timeout_s=args.start_timeout_s,
+                             maxmemory_bytes=args.maxmemory_bytes)
+    statuses = {status.shard_idx: status for status in server_status(runtime_dir)}
+    started = "all started now" if len(servers.started_shard_idxs) == args.shards else (
+        f"started now: shards {list(servers.started_shard_idxs)}" if servers.started_shard_idxs else "already running")
+    print(f"{len(servers.urls)} Valkey server(s) running in {runtime_dir} ({started}); they never talk to each other:")
+    for shard_idx, url in enumerate(servers.urls):
+        working_dir = statuses[shard_idx].data_dir if shard_idx in statuses else "?"
+        print(f"  shard {shard_idx}: {redact_url(url)}  working dir {working_dir}")
+    budget = embedded_budget_bytes(servers.maxmemory_bytes)
+    print(f"Memory: {describe_limits(len(servers.urls), servers.maxmemory_bytes)} (noeviction); Range's default budget "
+          f"{gib(budget)} per shard, {gib(budget * len(servers.urls))} in all. Persistence is off: a stopped server "
+          "loses its contents; a restarted one comes back on the same port.")
+    print(f"Password: in {runtime_dir / PASSWORD_FILE_NAME} (clients: valkey-cli -p PORT --askpass)")
     print()
-    print("For kv_connector_extra_config:")
-    print(f'"tiers": [{json.dumps({"type": "valkey", "servers": urls})}]')
+    extra = {"num_shards": args.shards, "runtime_dir": str(runtime_dir.resolve()), "tiers": [{"type": "valkey"}]}
+    if args.maxmemory_bytes is not None:
+        extra["tiers"][0]["embedded_maxmemory_bytes"] = args.maxmemory_bytes
+    print("For kv_connector_extra_config (the engine finds the servers and their password in the runtime dir):")
+    print(json.dumps(extra))
     print()
     print("Engine flag:")
     config = {"kv_connector": "RangeConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"tiers": [{"type": "valkey", "servers": urls}]}}
+              "kv_connector_extra_config": extra}
     print(f"--kv-transfer-config '{json.dumps(config)}'")
     return EXIT_OK
 
@@ -90,7 +128,7 @@ def _valkey_status(args: argparse.Namespace) -> int:
     if not statuses:
         print(f"no Valkey servers recorded in {runtime_dir}")
         return EXIT_OK
-    header = ("SHARD", "PID", "PORT", "URL", "ALIVE", "USED_MEMORY_BYTES", "KEYS")
+    header = ("SHARD", "PID", "PORT", "URL", "ALIVE", "USED_MEMORY_BYTES", "MAXMEMORY_BYTES", "KEYS", "PASSWORD")
     rows = [header] + [
         (
             str(status.shard_idx),
@@ -99,12 +137,19 @@ def _valkey_status(args: argparse.Namespace) -> int:
             status.url,
             "yes" if status.alive else "no",
             "-" if status.used_memory_bytes is None else str(status.used_memory_bytes),
+            "-" if status.maxmemory_bytes is None else str(status.maxmemory_bytes),
             "-" if status.num_keys is None else str(status.num_keys),
+            "yes" if status.password_protected else "no",
         )
         for status in statuses
     ]
     print(f"runtime dir {runtime_dir}")
     print_table(rows)
+    dead = [status.shard_idx for status in statuses if not status.alive]
+    if dead:
+        print(f"dead: shard(s) {dead}; `range-connector valkey start --shards {len(statuses)}` (or the next engine) "
+              "restarts them on the same ports, empty", file=sys.stderr)
+        return EXIT_SERVER_DEAD
     return EXIT_OK
 
 
@@ -115,4 +160,3 @@ def _valkey_stop(args: argparse.Namespace) -> int:
     num_stopped = stop_servers(runtime_dir, timeout_s=args.timeout_s)
     print(f"stopped {num_stopped} Valkey server(s) in {runtime_dir}")
     return EXIT_OK
-

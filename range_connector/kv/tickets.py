@@ -5,8 +5,14 @@ tensor-parallel rank holds, where inside it, and the checksum of those bytes in 
 under one key per head it covers (:func:`ticket_key`), so that the keys do not depend on the writer's
 tensor-parallel size (:mod:`range_connector.kv.heads`). Lookup reads the tickets of a whole prompt in one
 batched request per shard (``MGET`` on Valkey: one command whatever the number of chunks); loads then read byte
-ranges of stripes, never one object per chunk. Tickets are msgpack (never pickle) and are checked against the registered layout before use: a ticket that
-does not fit is a miss (docs/architecture.md, principle 6).
+ranges of stripes, never one object per chunk. Tickets are msgpack (never pickle) and are checked against the registered
+layout before use: a ticket that does not fit is a miss (docs/architecture.md, principle 6).
+
+Tickets come from storage, so they are untrusted: every field is type-checked, and the geometry is bounded *above*
+before anything is sized from it. Layers, blocks per chunk and bytes per block are those of the registered layout;
+a stripe's layer value (``num_planes * stripe_blocks * row_bytes``) is at most ``max_layer_bytes`` (the tier's
+value limit: no writer could have stored a larger one), and heads are below :data:`MAX_HEADS`. So a poisoned ticket
+(billions of blocks, a stripe of petabytes) is a miss, never an allocation.
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ import msgpack
 from range_connector.kv.namespace import ChunkHash
 
 TICKET_VERSION = 2
+#: upper bound on ``head_start + num_heads`` of a ticket (no model has this many KV heads)
+MAX_HEADS = 1 << 16
+#: default bound on a ticket's layer value, bytes, where the caller does not give the tier's limit (the DRAM tier's
+#: default value limit)
+MAX_LAYER_BYTES = 2 << 30
 
 
 def ticket_key(chunk_hash: ChunkHash, shard_idx: int, head: int = 0) -> bytes:
@@ -83,7 +94,7 @@ class Ticket:
 
     @classmethod
     def decode(cls, raw: bytes | None, *, num_layers: int, layer_block_bytes: int, num_blocks: int,
-               heads: tuple[int, int] = (0, 1)) -> Ticket | None:
+               heads: tuple[int, int] = (0, 1), max_layer_bytes: int = MAX_LAYER_BYTES) -> Ticket | None:
         """Parse and bounds-check a ticket read from a tier, for a reader that holds exactly its heads.
 
         Args:
@@ -92,18 +103,20 @@ class Ticket:
             layer_block_bytes: bytes of one block of one layer (all planes) of the reader's heads, as registered.
             num_blocks: blocks of a chunk on one shard.
             heads: ``(head_start, num_heads)`` the reader holds: a ticket for other heads is a miss.
+            max_layer_bytes: the largest layer value the tier holds (``Backend.max_value_bytes``): a ticket whose
+                stripe's layer value is larger is a miss.
 
         Returns:
             The ticket, or ``None`` if it is missing, malformed or does not match the layout (never raises).
         """
-        t = cls._parse(raw, num_layers=num_layers, num_blocks=num_blocks)
+        t = cls._parse(raw, num_layers=num_layers, num_blocks=num_blocks, max_layer_bytes=max_layer_bytes)
         if t is None or t.num_planes * t.row_bytes != layer_block_bytes or (t.head_start, t.num_heads) != heads:
             return None
         return t
 
     @classmethod
     def decode_covering(cls, raw: bytes | None, *, num_layers: int, head_block_bytes: int, num_blocks: int,
-                        head: int) -> Ticket | None:
+                        head: int, max_layer_bytes: int = MAX_LAYER_BYTES) -> Ticket | None:
         """Parse and bounds-check a ticket read under KV head ``head``'s key, whatever heads its writer held.
 
         Args:
@@ -112,12 +125,13 @@ class Ticket:
             head_block_bytes: bytes of one block of one layer (all planes) of one KV head.
             num_blocks: blocks of a chunk on one shard.
             head: the head whose key it was read under: the ticket must cover it.
+            max_layer_bytes: as for :meth:`decode`.
 
         Returns:
             The ticket, or ``None`` if it is missing, malformed, does not cover ``head`` or its rows are not its
             heads' bytes (never raises).
         """
-        t = cls._parse(raw, num_layers=num_layers, num_blocks=num_blocks)
+        t = cls._parse(raw, num_layers=num_layers, num_blocks=num_blocks, max_layer_bytes=max_layer_bytes)
         if t is None or not t.head_start <= head < t.head_start + t.num_heads:
             return None
         if t.num_planes * t.row_bytes != t.num_heads * head_block_bytes or t.row_bytes % t.num_heads:
@@ -125,7 +139,7 @@ class Ticket:
         return t
 
     @classmethod
-    def _parse(cls, raw: bytes | None, *, num_layers: int, num_blocks: int) -> Ticket | None:
+    def _parse(cls, raw: bytes | None, *, num_layers: int, num_blocks: int, max_layer_bytes: int) -> Ticket | None:
         if raw is None:
             return None
         try:
@@ -136,9 +150,11 @@ class Ticket:
             ints = (block_offset, nb, stripe_blocks, nl, npl, rb, h0, nh)
             if not isinstance(stripe_id, str) or not all(type(x) is int for x in ints):
                 return None
-            if (nl, nb) != (num_layers, num_blocks) or npl < 1 or rb < 1 or h0 < 0 or not 1 <= nh <= 1 << 16:
+            if (nl, nb) != (num_layers, num_blocks) or npl < 1 or rb < 1 or h0 < 0 or not 1 <= nh <= MAX_HEADS - h0:
                 return None
             if block_offset < 0 or stripe_blocks <= 0 or block_offset + nb > stripe_blocks:
+                return None
+            if npl * stripe_blocks * rb > max_layer_bytes:  # (bounded before anything is sized from it)
                 return None
             for sums in (checksums, stripe_sums):
                 if sums is stripe_sums and not sums:

@@ -22,8 +22,17 @@ from range_connector.cost.calibration_file import load_calibration
 from range_connector.cost.gate import CostGate
 from range_connector.cost.model import layout_bytes_per_token
 from range_connector.kv.heads import HeadSlice
-from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
-from range_connector.kv.namespace import ChunkHash, prefix_hash_chain, request_salt, tail_chunk_hash
+from range_connector.kv.metadata import (
+    RangeConnectorMetadata,
+    RangeWorkerMetadata,
+    RequestTransfer,
+)
+from range_connector.kv.namespace import (
+    ChunkHash,
+    prefix_hash_chain,
+    request_salt,
+    tail_chunk_hash,
+)
 from range_connector.kv.sharding import ShardPlan
 from range_connector.metrics import LoadTally, tokens_per_chunk
 from range_connector.scheduler.admission import Admission
@@ -40,6 +49,7 @@ from range_connector.scheduler.planning import (
     redo_from,
     scheduled_progress,
 )
+from range_connector.scheduler.request_input import RequestInputs
 
 if TYPE_CHECKING:
     from range_connector.scheduler.engine_view import EngineRequest, StepSchedule
@@ -99,7 +109,9 @@ class RangeScheduler:
         self.lookup = PrefixLookup(config, self.plan, lookup_backends, num_layers=num_layers,
                                    layer_block_bytes=layer_block_bytes, stats=self.stats, groups=groups)
         self.leases = LeaseBook(lookup_backends, config.lease_ttl_s, self.stats)
-        self.handoff = Handoff(self.settings, config.remote_wait_s, self.stats, num_saving_ranks)
+        #: every request's client input, parsed once (typed, bounded; what is dropped is counted by kind)
+        self.inputs = RequestInputs(self.stats)
+        self.handoff = Handoff(self.settings, config.remote_wait_s, self.stats, num_saving_ranks, self.inputs)
         gate: CostGate | None = None
         if can_load and num_layers > 0 and layer_block_bytes > 0:
             calibration = load_calibration(config.calibration_file) if config.calibration_file else None
@@ -134,10 +146,13 @@ class RangeScheduler:
 
     # ---------------------------------------------------------------- lookup
     def _chain(self, request: EngineRequest) -> tuple[list[ChunkHash], ChunkHash | None]:
-        """The prompt's prefix hash chain (full chunks) and the hash of its partial last chunk."""
-        lora = request.lora_request.lora_name if getattr(request, "lora_request", None) else None
-        media = [f.identifier for f in (getattr(request, "mm_features", None) or [])]
-        salt = request_salt(lora, getattr(request, "cache_salt", None), media)
+        """The prompt's prefix hash chain (full chunks) and the hash of its partial last chunk; both empty for a
+        request whose salt input was dropped (:mod:`~range_connector.scheduler.request_input`: Range leaves it
+        alone)."""
+        parts = self.inputs.get(request).salt
+        if parts is None:
+            return [], None
+        salt = request_salt(*parts)
         tokens = request.prompt_token_ids or []
         chain = prefix_hash_chain(self.namespace, salt, tokens, self.chunk_tokens)
         return chain, tail_chunk_hash(chain, self.namespace, salt, tokens, self.chunk_tokens)
@@ -155,6 +170,10 @@ class RangeScheduler:
         req_id = request.request_id
         hashes, tail = self._chain(request)
         num_prompt = len(request.prompt_token_ids or [])
+        if self.inputs.get(request).salt is None:  # its salt input was dropped: Range leaves the request alone
+            self._lookups[req_id] = LookupResult(hashes, [], 0, num_computed_tokens, num_computed_tokens, "pipelined",
+                                                 tail, skip_saves=True)
+            return 0, False
         if self.can_load and self.handoff.announced_nothing(request):  # its producer stored nothing: compute it now
             self._lookups[req_id] = LookupResult(hashes, [], 0, num_computed_tokens, num_computed_tokens, "pipelined",
                                                  tail)
@@ -208,6 +227,7 @@ class RangeScheduler:
         if state is None:
             hashes, tail = (lookup.chunk_hashes, lookup.tail_hash) if lookup else self._chain(request)
             state = RequestState(req_id, list(request.prompt_token_ids or []), hashes, tail)
+            state.skip_saves = self.inputs.get(request).salt is None
             self._requests[req_id] = state
         if lookup is not None:
             self.admission.commit(req_id, lookup, num_external_tokens)
@@ -263,6 +283,7 @@ class RangeScheduler:
         self._loads = []
         self.admission.observe_step(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
+            self.inputs.forget(req_id)
             self.handoff.drop(req_id)
             self._requests.pop(req_id, None)
             self._lookups.pop(req_id, None)
@@ -337,7 +358,9 @@ class RangeScheduler:
         self._failures_learnt_through.pop(req_id, None)
         self.lookup.forget(req_id)
         self.leases.release(req_id)
-        return False, self.handoff.announcement(request, state, can_save=self.can_save, chunk_tokens=self.chunk_tokens)
+        announcement = self.handoff.announcement(request, state, can_save=self.can_save, chunk_tokens=self.chunk_tokens)
+        self.inputs.forget(req_id)
+        return False, announcement
 
     def close(self) -> None:
         """Release leases, lookup connections and threads."""

@@ -25,8 +25,9 @@ synchronously (``spec.py``), so its saves' outcomes are in the report of the ste
 tokens to be visible, then recomputes what is missing. It does not wait at all when the producer announced no
 tokens, nor while its own lookups count the tier as down (``PrefixLookup.is_down``): it recomputes at once. The
 settings both sides share (namespace and the settings behind it) are compared by name: a mismatch is logged and the
-KV is not used, never silently mixed. Everything read from ``kv_transfer_params`` is client input: anything that is
-not the expected shape is ignored.
+KV is not used, never silently mixed. Everything read from ``kv_transfer_params`` is client input, parsed once per
+request by :mod:`~range_connector.scheduler.request_input` (typed, bounded; what is not the expected shape is dropped
+and counted).
 """
 
 from __future__ import annotations
@@ -35,36 +36,39 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from range_connector.kv.metadata import RequestTransfer
 from range_connector.scheduler.planning import RequestState
+from range_connector.scheduler.request_input import MAX_ANNOUNCED_TOKENS, RequestInputs
 
 if TYPE_CHECKING:
     from range_connector.scheduler.engine_view import EngineRequest
 
 logger = logging.getLogger("vllm." + __name__)
 
-#: the largest ``num_tokens`` an announcement may carry (client input, bounded before use; larger: ignored)
-MAX_ANNOUNCED_TOKENS = 1 << 40
 #: the counters this module keeps in the scheduler's stats
 HANDOFF_STATS = ("remote_waits", "remote_wait_timeouts", "settings_mismatches", "remote_nothing_announced",
                  "remote_waits_tier_down", "handoff_unconfirmed_chunks")
 
 
-def settings_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+__all__ = ["HANDOFF_STATS", "MAX_ANNOUNCED_TOKENS", "Handoff", "SaveLedger", "settings_mismatch"]
+
+#: characters of one value shown in a settings-mismatch message (client input: bounded in logs too)
+MAX_SHOWN_CHARS = 120
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "...'"
+
+
+def settings_mismatch(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> str:
     """``"key: theirs != ours, ..."`` for every setting both sides name with different values ("" if none)."""
-    return ", ".join(f"{k}: {theirs[k]!r} != {ours[k]!r}" for k in sorted(set(theirs) & set(ours))
+    return ", ".join(f"{k}: {_shown(theirs[k])} != {_shown(ours[k])}" for k in sorted(set(theirs) & set(ours))
                      if theirs[k] != ours[k])
-
-
-def wants_announcement(request: EngineRequest) -> bool:
-    """Whether the request asked for ``kv_transfer_params`` (``do_remote_decode`` from a disaggregated proxy, or the
-    proxy's ``range_describe`` probe)."""
-    params = getattr(request, "kv_transfer_params", None)
-    return isinstance(params, dict) and bool(params.get("do_remote_decode") or params.get("range_describe"))
 
 
 @dataclass
@@ -107,18 +111,20 @@ class Handoff:
         stats: the scheduler's counters (:data:`HANDOFF_STATS` are counted here).
         num_saving_ranks: workers that save a slice of every chunk and report it (tensor-parallel ranks that each
             write their own slice): a chunk counts as stored once that many reported it stored.
+        inputs: the requests' parsed client input (default: a store of its own, counting into ``stats``).
 
     Raises:
         ValueError: ``num_saving_ranks`` is less than 1.
     """
 
     def __init__(self, settings: dict[str, Any], remote_wait_s: float, stats: MutableMapping[str, int],
-                 num_saving_ranks: int = 1) -> None:
+                 num_saving_ranks: int = 1, inputs: RequestInputs | None = None) -> None:
         if num_saving_ranks < 1:
             raise ValueError(f"num_saving_ranks must be at least 1, got {num_saving_ranks}")
         self.settings = settings
         self.remote_wait_s = remote_wait_s
         self.stats = stats
+        self.inputs = inputs if inputs is not None else RequestInputs(stats)
         for key in HANDOFF_STATS:
             stats.setdefault(key, 0)
         self.num_saving_ranks = num_saving_ranks
@@ -136,17 +142,10 @@ class Handoff:
     def _announced_tokens(self, request: EngineRequest) -> int | None:
         """The tokens a producer announced for the request; ``None`` when there is no usable announcement (none,
         malformed, or from a producer whose settings differ from ours: then logged by name, once per request)."""
-        params = getattr(request, "kv_transfer_params", None)
-        info = params.get("range") if isinstance(params, dict) else None
-        if not isinstance(info, dict):
+        announced = self.inputs.get(request).announcement
+        if announced is None:
             return None
-        num_tokens = info.get("num_tokens")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            return None
-        if not 0 <= num_tokens <= MAX_ANNOUNCED_TOKENS:
-            return None
-        theirs = info.get("settings")
-        mismatched = settings_mismatch(theirs if isinstance(theirs, dict) else {}, self.settings)
+        mismatched = settings_mismatch(announced.settings, self.settings)
         if mismatched:
             if request.request_id not in self._wait_until:
                 self._wait_until[request.request_id] = 0.0
@@ -154,7 +153,7 @@ class Handoff:
                 logger.error("Range: request %s comes from a producer with other settings (%s); its KV is not used",
                              request.request_id, mismatched)
             return None
-        return num_tokens
+        return announced.num_tokens
 
     def announced_nothing(self, request: EngineRequest) -> bool:
         """The request carries an announcement of 0 tokens from a producer with our settings (it stored none of the
@@ -201,7 +200,7 @@ class Handoff:
     def track(self, request: EngineRequest, *, num_stored_chunks: int, tail_stored: bool) -> None:
         """Follow the saves of a request that will be announced (``num_stored_chunks`` leading full chunks, and with
         ``tail_stored`` the whole prompt, were on the tier at its lookup); other requests are not followed."""
-        if not wants_announcement(request):
+        if not self.inputs.get(request).wants_announcement:
             return
         ledger = self._ledgers.setdefault(request.request_id, SaveLedger())
         ledger.num_stored_at_lookup_chunks = max(ledger.num_stored_at_lookup_chunks, num_stored_chunks)
@@ -264,12 +263,12 @@ class Handoff:
         While some of the request's saves have no outcome yet (the step's worker report comes after this call), the
         answer names only the chunks confirmed so far and stays open: :meth:`close_open` completes it in place.
         """
-        if not wants_announcement(request):
+        parsed = self.inputs.get(request)
+        if not parsed.wants_announcement:
             return None
-        params = request.kv_transfer_params
         info: dict[str, Any] = {"version": 1, "settings": self.settings}
-        expect = params.get("range_expect")
-        if isinstance(expect, dict):
+        expect = parsed.expect
+        if expect is not None:
             mismatched = settings_mismatch(expect, self.settings)
             if mismatched:
                 self.stats["settings_mismatches"] += 1

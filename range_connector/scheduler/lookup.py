@@ -20,7 +20,7 @@ from range_connector.errors import BackendError
 from range_connector.kv.heads import HeadSlice, resolve_pieces
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan, common_stored_prefix
-from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.kv.tickets import MAX_LAYER_BYTES, Ticket, ticket_key
 
 logger = logging.getLogger("vllm." + __name__)
 
@@ -124,6 +124,8 @@ class PrefixLookup:
         head_block_bytes = self.layer_block_bytes // groups[0].count
 
         def one(shard_idx: int) -> list[tuple[Ticket | tuple[Ticket, ...], ...]]:
+            # (a stored ticket is untrusted: its stripe's layer value is bounded by what this tier can hold)
+            max_layer_bytes = min(MAX_LAYER_BYTES, backends[shard_idx].max_value_bytes)
             keys = [ticket_key(h, shard_idx, head) for h in chunk_hashes for head in heads]
             raws = backends[shard_idx].get_tickets(keys)
             if len(raws) != len(keys):  # (a tier that answers for other keys than it was asked: nothing is trusted)
@@ -132,7 +134,8 @@ class PrefixLookup:
             for c in range(len(chunk_hashes)):
                 covering = [Ticket.decode_covering(raws[c * len(heads) + i], num_layers=self.num_layers,
                                                    head_block_bytes=head_block_bytes,
-                                                   num_blocks=self.plan.blocks_per_shard, head=head)
+                                                   num_blocks=self.plan.blocks_per_shard, head=head,
+                                                   max_layer_bytes=max_layer_bytes)
                             for i, head in enumerate(heads)]
                 if any(t is None for t in covering):
                     break

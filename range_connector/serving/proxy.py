@@ -74,7 +74,8 @@ __all__ = ["Outcome", "Policy", "ProxyConfig", "ProxyServer", "serve_proxy"]
 
 logger = logging.getLogger(__name__)
 
-_CLIENT_MAX_BODY_BYTES = 64 * 1024 * 1024
+#: the default cap on a client's request body (bytes); larger bodies are answered 413 before they are read whole
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 _KEEPALIVE_S = 3.0
 
 
@@ -93,6 +94,7 @@ class ProxyConfig:
         connect_timeout_s: Deadline of one connection attempt, seconds.
         health_interval_s: Seconds between two health checks of every engine.
         health_timeout_s: Deadline of one health check, seconds.
+        max_body_bytes: Largest client request body, bytes (larger: 413, not read whole).
 
     Raises:
         ConfigError: A URL list is empty or holds a bad or repeated URL, a timeout is not positive, or the port is
@@ -109,6 +111,7 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     health_interval_s: float = 5.0
     health_timeout_s: float = 2.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         for key in ("prefill_urls", "decode_urls"):
@@ -127,6 +130,9 @@ class ProxyConfig:
                     "health_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, f"{getattr(self, key)} is not a positive number of seconds")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
+                or self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes", f"{self.max_body_bytes!r} is not a number of bytes >= 1024")
 
 def _prefill_body(body: Mapping[str, Any], is_chat: bool,
                   expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -187,7 +193,7 @@ class ProxyServer:
         await self.pool.check_health(self._session, self.config.health_timeout_s)
         self._health_task = asyncio.create_task(self.pool.run_health_checks(
             self._session, self.config.health_interval_s, self.config.health_timeout_s))
-        app = web.Application(client_max_size=_CLIENT_MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)

@@ -20,7 +20,7 @@ from range_connector.config import RangeConfig
 from range_connector.kv.layout import KVLayout
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
-from range_connector.kv.tickets import Ticket
+from range_connector.kv.tickets import MAX_LAYER_BYTES, Ticket
 from range_connector.worker.banks import BankPool, BankReader
 
 
@@ -68,12 +68,24 @@ class LoadContext:
 
     def ticket_fits(self, t: Ticket) -> bool:
         """The ticket describes stripes of the registered layout and this rank's KV heads (pieces of other head
-        slices do not fit: :mod:`range_connector.worker.reassembly` loads them)."""
+        slices do not fit: :mod:`range_connector.worker.reassembly` loads them), and its stripe is no larger than
+        :attr:`max_stripe_blocks`."""
         if not isinstance(t, Ticket):
             return False
         layout = self.layout
         return (t.num_planes, t.row_bytes, t.num_layers, t.num_blocks, (t.head_start, t.num_heads)) == (
-            layout.num_planes, layout.row_bytes, len(self.layer_names), self.plan.blocks_per_shard, self.heads)
+            layout.num_planes, layout.row_bytes, len(self.layer_names), self.plan.blocks_per_shard, self.heads
+        ) and 0 <= t.block_offset and t.block_offset + t.num_blocks <= t.stripe_blocks <= self.max_stripe_blocks
+
+    @property
+    def max_stripe_blocks(self) -> int:
+        """The most blocks a stripe of a ticket that fits may hold: one save batch is at most the registered KV
+        pool's blocks (a ticket claiming more comes from a poisoned or foreign store: the load would size its
+        staging from it), and its layer value at most the tier's limit (:data:`~range_connector.kv.tickets.
+        MAX_LAYER_BYTES` where the tier allows more)."""
+        layer_block_bytes = max(1, self.layout.num_planes * self.layout.row_bytes)
+        max_value_bytes = min([MAX_LAYER_BYTES, *(b.max_value_bytes for b in self.backends)])
+        return min(self.layout.num_blocks, max_value_bytes // layer_block_bytes)
 
     def copy_rows(self, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
                   src: slice | torch.Tensor) -> object | None:

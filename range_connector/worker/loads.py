@@ -52,6 +52,10 @@ logger = logging.getLogger("vllm." + __name__)
 
 _NEVER = 1 << 62
 
+#: the rows a load stages per (layer, plane), gaps included, are at most this many times the registered KV pool's
+#: blocks (a legitimate load writes at most one pool's blocks; the rest allows for gaps inside stripes)
+MAX_STAGED_POOLS = 2
+
 #: load modes (``RequestTransfer.mode``, config key ``load_mode``)
 PIPELINED, ASYNC, SYNC = LOAD_MODES[:3]  # ("auto" is the scheduler's: it picks one of these)
 
@@ -130,6 +134,26 @@ class LoadJob:
                     elif (key := (s, t.stripe_id, t.block_offset, t.num_blocks)) not in seen:
                         seen.add(key)
                         wanted[(s, t.stripe_id)].append(t)
+        # Staging is sized from the tickets' geometry (a segment spans its wanted chunks and the gaps between them):
+        # the rows one load stages per (layer, plane) stay within MAX_STAGED_POOLS registered KV pools, so that
+        # tickets that are each within bounds cannot add up to gigabytes either. Stripes past it are not read.
+        budget_rows = MAX_STAGED_POOLS * w.layout.num_blocks
+        refused: set[tuple[int, str]] = set()
+        for key, tickets in list(wanted.items()):
+            span = max(t.block_offset + t.num_blocks for t in tickets) - min(t.block_offset for t in tickets)
+            if span > budget_rows:
+                refused.add(key)
+                del wanted[key]
+            else:
+                budget_rows -= span
+        if refused:
+            logger.warning("Range load: %d stripe(s) would stage more rows than %d KV pools; their chunks are "
+                           "recomputed", len(refused), MAX_STAGED_POOLS)
+            w.stats["load_geometry_refused"] += len(refused)
+            for req in self.reqs:
+                for chunk in req.chunks:
+                    if any((s, t.stripe_id) in refused for s, t in enumerate(chunk.tickets)):
+                        self._fail(req.req_id, chunk.chunk_idx)
         self.segments = plan_segments(wanted)
         self._seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in self.segments}
         self.views = bool(self.segments) and all(w.backends[seg.shard_idx].supports_views for seg in self.segments)

@@ -26,7 +26,7 @@ import xxhash
 from range_connector.backends.base import RangeRead
 from range_connector.kv.metadata import ChunkTransfer, RequestTransfer
 from range_connector.kv.namespace import ChunkHash
-from range_connector.kv.tickets import Ticket
+from range_connector.kv.tickets import MAX_LAYER_BYTES, Ticket
 from range_connector.worker.shard_reads import ShardReads
 
 if TYPE_CHECKING:
@@ -65,9 +65,13 @@ def reassemble(context: LoadContext, reqs: list[RequestTransfer], deadline: floa
     runs = layout.head_runs
     num_layers, num_planes = len(context.layer_names), layout.num_planes
 
-    def fits(t: Ticket) -> bool:
+    max_stripe_blocks = context.max_stripe_blocks
+
+    def fits(t: Ticket) -> bool:  # (bounded like any ticket before its piece buffer is sized from it)
         return (isinstance(t, Ticket) and runs > 0 and t.num_layers == num_layers and t.num_planes == num_planes
-                and t.num_blocks == plan.blocks_per_shard and t.row_bytes == t.num_heads * head_bytes)
+                and t.num_blocks == plan.blocks_per_shard and t.row_bytes == t.num_heads * head_bytes
+                and 0 <= t.block_offset and t.block_offset + t.num_blocks <= t.stripe_blocks <= max_stripe_blocks
+                and t.layer_bytes <= MAX_LAYER_BYTES)
 
     # Plan: for every live chunk, per shard, which piece gives each of this rank's heads.
     planned: list[tuple[RequestTransfer, ChunkTransfer, list[list[Ticket]]]] = []

@@ -1,4 +1,5 @@
-"""Embedded Valkey servers: start, reuse across processes, status, stop, stale records, CLI.
+"""Embedded Valkey servers: start, reuse across processes, status, stop, stale records, CLI; bounded and closed
+(memory limit, password), same ports and password after a restart, nothing kept across it.
 
 Every test uses its own runtime dir under ``tmp_path`` and stops its servers in the ``runtime_dir`` fixture's
 teardown, killing by recorded pid as a last resort so no server outlives the test.
@@ -20,16 +21,19 @@ import pytest
 import valkey
 
 from range_connector import cli
-from range_connector.config import RangeConfig
 from range_connector.backends.valkey.servers import (
     RUNTIME_DIR_ENV,
     VALKEY_SERVER_BIN_ENV,
     default_runtime_dir,
+    embedded_urls,
     ensure_servers,
     server_status,
     stop_servers,
     valkey_server_binary,
 )
+from range_connector.backends.valkey.urls import redact_url
+from range_connector.config import RangeConfig
+from range_connector.config.keys import DEFAULT_EMBEDDED_MAXMEMORY_BYTES
 from range_connector.errors import ConfigError, ServerStartError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -97,12 +101,14 @@ def test_two_shards_answer_ping_on_different_ports(runtime_dir: Path) -> None:
     urls = ensure_servers(2, runtime_dir)
 
     assert len(urls) == 2
-    assert all(url.startswith("valkey://127.0.0.1:") for url in urls)
+    password = (runtime_dir / "password").read_text().strip()
+    assert all(url.startswith(f"valkey://:{password}@127.0.0.1:") for url in urls)
     assert len(set(urls)) == 2
     for url in urls:
         client = valkey.Valkey.from_url(url)
         try:
             assert client.ping() is True
+            assert client.info("memory")["maxmemory"] == DEFAULT_EMBEDDED_MAXMEMORY_BYTES == 1 << 30
             assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
             assert client.config_get("save") == {"save": ""}
             assert client.config_get("appendonly") == {"appendonly": "no"}
@@ -190,7 +196,7 @@ def test_concurrent_callers_end_up_with_the_same_servers(runtime_dir: Path) -> N
     assert [process.returncode for process in processes] == [0, 0, 0], [stderr for _, stderr in outputs]
     url_lists = [json.loads(stdout) for stdout, _ in outputs]
     assert url_lists[0] == url_lists[1] == url_lists[2]
-    assert [status.url for status in server_status(runtime_dir)] == url_lists[0]
+    assert embedded_urls(runtime_dir) == url_lists[0]
     assert all(status.alive for status in server_status(runtime_dir))
 
 
@@ -208,7 +214,9 @@ def test_status_reports_alive_servers_with_memory_and_keys(runtime_dir: Path) ->
     statuses = server_status(runtime_dir)
 
     assert [status.shard_idx for status in statuses] == [0, 1]
-    assert [status.url for status in statuses] == urls
+    assert [status.url for status in statuses] == [redact_url(url).replace("***@", "") for url in urls]
+    assert [status.maxmemory_bytes for status in statuses] == [1 << 30] * 2
+    assert all(status.password_protected for status in statuses)
     assert [status.port for status in statuses] == [int(url.rsplit(":", 1)[1]) for url in urls]
     assert all(status.alive for status in statuses)
     assert [status.num_keys for status in statuses] == [2, 0]
@@ -244,6 +252,7 @@ def test_stale_record_with_dead_pid_gets_new_servers(runtime_dir: Path) -> None:
     new_pids = _recorded_pids(runtime_dir)
     assert new_urls[0] == urls[0] and new_pids[0] == pids[0]
     assert new_pids[1] != pids[1]
+    assert new_urls[1] == urls[1]  # the same port (and password): an engine retrying the old URL finds it
     assert all(status.alive for status in server_status(runtime_dir))
 
 
@@ -283,7 +292,7 @@ def test_different_shard_count_with_live_servers_is_refused(runtime_dir: Path) -
     with pytest.raises(ConfigError, match="num_shards: 3 requested"):
         ensure_servers(3, runtime_dir)
 
-    assert [status.url for status in server_status(runtime_dir)] == urls
+    assert embedded_urls(runtime_dir) == urls
 
 
 @pytest.mark.timeout(30)
@@ -320,34 +329,41 @@ def test_cli_start_status_stop(runtime_dir: Path, capsys: pytest.CaptureFixture[
 
     assert cli.main(["valkey", "start", "--shards", "2", "--runtime-dir", str(runtime_dir)]) == 0
     out = capsys.readouterr().out
-    fragment = next(line for line in out.splitlines() if line.startswith('"tiers": '))
-    urls = json.loads("{" + fragment + "}")["tiers"][0]["servers"]
-    assert urls == [status.url for status in server_status(runtime_dir)]
+    password = (runtime_dir / "password").read_text().strip()
+    assert password not in out
+    assert "2 shards x 1 GiB maxmemory = 2 GiB" in out and "0.938 GiB per shard" in out
+    urls = [status.url for status in server_status(runtime_dir)]
+    assert all(f"{url.replace('//', '//***@')}  working dir" in out for url in urls)
 
     assert cli.main(["valkey", "status", "--runtime-dir", str(runtime_dir)]) == 0
     out = capsys.readouterr().out
-    assert "ALIVE" in out and all(url in out for url in urls)
+    assert "ALIVE" in out and all(url in out for url in urls) and password not in out
 
     assert cli.main(["valkey", "stop", "--runtime-dir", str(runtime_dir)]) == 0
     assert "stopped 2" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(30)
-def test_cli_start_takes_a_data_dir_and_prints_the_engine_flag(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_start_prints_an_engine_flag_that_names_the_runtime_dir(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     data_dir = tmp_path / "pcp-servers"
     try:
-        assert cli.main(["valkey", "start", "--shards", "2", "--data-dir", str(data_dir)]) == 0
-        out = capsys.readouterr().out
-        flag = next(line for line in out.splitlines() if line.startswith("--kv-transfer-config "))
+        # --data-dir is the deprecated name of --runtime-dir: it still works, with a warning.
+        assert cli.main(["valkey", "start", "--shards", "2", "--maxmemory-bytes", str(64 << 20),
+                         "--data-dir", str(data_dir)]) == 0
+        captured = capsys.readouterr()
+        assert "--data-dir is deprecated" in captured.err
+        flag = next(line for line in captured.out.splitlines() if line.startswith("--kv-transfer-config "))
         config = json.loads(flag.split(" ", 1)[1].strip("'"))
-        urls = [status.url for status in server_status(data_dir)]
         assert config["kv_connector"] == "RangeConnector"
-        assert config["kv_connector_extra_config"] == {"tiers": [{"type": "valkey", "servers": urls}]}
-        assert RangeConfig.from_extra_config(config["kv_connector_extra_config"]).num_shards == 2
+        assert config["kv_connector_extra_config"] == {
+            "num_shards": 2, "runtime_dir": str(data_dir.resolve()),
+            "tiers": [{"type": "valkey", "embedded_maxmemory_bytes": 64 << 20}]}
+        parsed = RangeConfig.from_extra_config(config["kv_connector_extra_config"])
+        assert parsed.num_shards == 2 and parsed.tier.embedded and parsed.tier.budget_bytes == 48 << 20
+        assert [s.maxmemory_bytes for s in server_status(data_dir)] == [64 << 20] * 2
         for shard_idx in range(2):
             assert (data_dir / f"shard-{shard_idx}-data").is_dir()
-            assert f"data dir {data_dir / f'shard-{shard_idx}-data'}" in out
     finally:
         stop_servers(data_dir)
 

@@ -200,3 +200,59 @@ def test_connector_registered_by_entry_point(server: ServerProcess, sends: tuple
     kv_arg = server.command()[server.command().index("--kv-transfer-config") + 1]
     assert json.loads(kv_arg)["kv_connector"] == "RangeConnector"
     assert "kv_connector_module_path" not in json.loads(kv_arg)
+
+
+# ------------------------------------------------------------------------------------------------ hostile clients
+REJECTED = "vllm:range_rejected_request_inputs_total"
+NAMESPACE_ONLY = {"namespace": "00" * 32}
+#: (kind counted, kv_transfer_params): what any client of the default kv_both server can send
+HOSTILE_PARAMS: list[tuple[str, object]] = [
+    ("num_tokens", {"range": {"version": 1, "settings": NAMESPACE_ONLY, "num_tokens": "x"}}),
+    ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": None}}),
+    ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": float("inf")}}),  # JSON Infinity
+    ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": True}}),
+    ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": 10 ** 200}}),
+    ("settings", {"range": {"num_tokens": 5, "settings": ["namespace"]}}),
+    ("settings", {"range": {"num_tokens": 5, "settings": {"namespace": "x" * 10_000_000}}}),  # a 10 MB string
+    ("settings", {"range": {"num_tokens": 5, "settings": {"namespace": "0", "deep": [[[[[[[[[[1]]]]]]]]]]}}}),
+    ("range", {"range": [1, 2, 3]}),
+    ("do_remote_decode", {"do_remote_decode": "yes"}),
+    ("range_expect", {"do_remote_decode": True, "range_expect": "everything"}),
+]
+
+
+def _rejected_by_kind(base_url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
+    return {s.labels["kind"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == REJECTED}
+
+
+@pytest.mark.timeout(600)
+def test_hostile_kv_transfer_params_leave_the_engine_serving(server: ServerProcess, prompt: list[int],
+                                                             sends: tuple[Send, Send]) -> None:
+    # Each malformed shape goes to /v1/completions as any client could send it: the engine answers every one (the
+    # request is served without Range's part), keeps serving, and counts each on /metrics by kind.
+    before = _rejected_by_kind(server.base_url)
+    expected: dict[str, int] = {}
+    for i, (kind, params) in enumerate(HOSTILE_PARAMS):
+        body = {"prompt": prompt[: 40 + i], "max_tokens": 2, "temperature": 0.0, "kv_transfer_params": params}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120.0)
+        assert response.status_code == 200, f"{kind}: {response.status_code} {response.text[:300]}"
+        assert len(response.json()["choices"][0]["text"]) >= 0
+        expected[kind] = expected.get(kind, 0) + 1
+    assert httpx.get(f"{server.base_url}/health", timeout=10.0).status_code == 200
+    # still serving: the stored prompt is still a hit after all that
+    assert reset_prefix_cache(server.base_url)
+    after_hostile = _send(server, prompt)
+    assert after_hostile.hits == sends[1].hits > 0
+    assert after_hostile.result.token_ids == sends[0].result.token_ids
+    after = wait_for_metric(server.base_url, REJECTED, sum(before.values()) + sum(expected.values()))
+    by_kind = _rejected_by_kind(server.base_url)
+    for kind, count in expected.items():
+        assert by_kind[kind] - before.get(kind, 0.0) == count, (kind, by_kind)
+    assert after[REJECTED] == sum(before.values()) + sum(expected.values())
+    log = server.log_text()
+    assert "EngineDeadError" not in log and "Traceback" not in log
+    assert log.count("further requests with this kind of input are only counted") == len(expected)

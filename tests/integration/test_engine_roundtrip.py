@@ -24,7 +24,8 @@ import random
 import pytest
 import torch
 
-from range_connector.backends.valkey.servers import server_status, stop_servers
+from range_connector.backends.valkey.servers import stop_servers
+from range_connector.testing.embedded import embedded_urls
 from range_connector.testing.tiny_models import build_model
 from tests.integration.harness import prompt_ids, run_engine
 
@@ -79,7 +80,7 @@ def scenario(request, tmp_path_factory):
             {"op": "generate", "prompts": [x]}, {"op": "generate", "prompts": batch},
             {"op": "block_digests"},
         ]}, env={"PYTHONHASHSEED": str(random.randint(1, 10**6))})
-        (url,) = [s.url for s in server_status(runtime_dir)]
+        (url,) = embedded_urls(runtime_dir)  # (with the password: the harness opens clients)
         cons = run_engine(tmp, "consumer", {"model": str(model), "connector": {
             **connector, "verify_checksums": False, "load_mode": "pipelined", "bank_bytes": 1, "num_banks": 2},
                                             "steps": [

@@ -37,8 +37,9 @@ import random
 
 import pytest
 
-from range_connector.backends.valkey.servers import server_status, stop_servers
+from range_connector.backends.valkey.servers import stop_servers
 from range_connector.serving.engines import mismatched_settings
+from range_connector.testing.embedded import embedded_urls
 from range_connector.testing.tiny_models import build_model
 from tests.integration.harness import prompt_ids, run_engine
 
@@ -77,7 +78,7 @@ def runs(tmp_path_factory):
             {"op": "generate", "prompts": [x]},                                           # 0
             {"op": "generate", "prompts": [z], "kv_transfer_params": remote, "max_tokens": 1},  # 1
         ]}, env={**TP2_ENV, "PYTHONHASHSEED": str(random.randint(1, 10**6))})
-        (url,) = [s.url for s in server_status(runtime_dir)]
+        (url,) = embedded_urls(runtime_dir)  # (with the password: the harness opens clients)
         tp1 = run_engine(tmp, "tp1", {"model": str(model), "connector": connector, "steps": [
             {"op": "generate", "prompts": [x]}, {**loaded_heads, "tp_size": 1},           # 0, 1
             {"op": "generate", "prompts": [y]}, {"op": "head_digests", "tp_size": 1},     # 2, 3

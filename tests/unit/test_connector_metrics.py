@@ -219,6 +219,17 @@ def test_prom_metrics_count_per_engine_and_ignore_other_keys(registry: Collector
     assert "vllm:range_lookups" not in names and "vllm:range_predicted_load_s" not in names
 
 
+def test_rejected_request_inputs_are_one_counter_labelled_by_kind(registry: CollectorRegistry) -> None:
+    from range_connector.scheduler.request_input import REJECTION_STATS
+
+    prom = _prom(registry)
+    prom.observe({REJECTION_STATS["num_tokens"]: 2, REJECTION_STATS["cache_salt"]: 1})
+    name = "vllm:range_rejected_request_inputs_total"
+    assert registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", "kind": "num_tokens"}) == 2
+    assert registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", "kind": "cache_salt"}) == 1
+    assert registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", "kind": "settings"}) == 0
+
+
 def test_replay_reader_names_are_the_exported_ones() -> None:
     exported = {f"{name}_total" for name, _ in PROM_COUNTERS.values()}
     assert set(RANGE_COUNTERS.values()) <= exported

@@ -309,6 +309,23 @@ def test_a_body_that_is_not_json_answers_400(make_stack) -> None:
     assert stack.prefills[0].requests == []
 
 
+def test_a_body_over_max_body_bytes_answers_413_and_reaches_no_engine(make_stack) -> None:
+    stack = make_stack(max_body_bytes=4096)
+    big = {**COMPLETION, "prompt": "x" * 8192}
+    response = stack.client.post(stack.url("/v1/completions"), json=big)
+    assert response.status_code == 413
+    assert stack.prefills[0].requests == [] and stack.decodes[0].requests == []
+    # a body under the cap still goes through
+    assert stack.client.post(stack.url("/v1/completions"), json=COMPLETION).status_code == 200
+
+
+@pytest.mark.parametrize("body", [[1, 2], "text", 7, None])
+def test_a_json_body_that_is_not_an_object_answers_400(make_stack, body) -> None:
+    stack = make_stack()
+    response = stack.client.post(stack.url("/v1/completions"), json=body)
+    assert response.status_code == 400 and stack.prefills[0].requests == []
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Range settings
 
@@ -385,6 +402,7 @@ def test_models_is_forwarded_and_status_reports_every_engine(make_stack) -> None
     (["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--policy", "fastest"], "--policy"),
     (["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--timeout-s", "0"], "--timeout-s"),
     (["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--port", "70000"], "--port: 70000"),
+    (["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--max-body-bytes", "10"], "--max-body-bytes"),
 ])
 def test_bad_proxy_arguments_exit_2_with_one_line(capsys, argv: list[str], needle: str) -> None:
     assert main(argv) == 2

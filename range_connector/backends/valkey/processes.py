@@ -1,8 +1,11 @@
 """Embedded servers' processes: started detached on free loopback ports, probed, signalled and waited for.
 
 :func:`start_servers` starts one ``valkey-server`` per shard in parallel (double-forked, so it outlives the process
-that starts it), retries a port another program took first, and waits until each answers with its own pid; all or
-none of them survive. The probes ask ``INFO server`` for the ``process_id``, so a server that took the port after
+that starts it) with a memory limit (``--maxmemory``, ``noeviction``) and, when given, the runtime dir's
+``server.conf`` as its first argument (the password, kept off the command line). Each shard's server first tries the
+port it last had (``ports.json``), so a running engine that retries the old URL finds it again; another port is
+picked when that one is taken, and a port another program took first is retried; it waits until each answers with
+its own pid; all or none of them survive. The probes ask ``INFO server`` for the ``process_id``, so a server that took the port after
 ours died is not mistaken for ours. :mod:`range_connector.backends.valkey.servers` holds the runtime directory's lock
 while it starts or stops servers.
 """
@@ -73,6 +76,23 @@ def _pid_running(pid: int) -> bool:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """How :func:`start_servers` starts each server.
+
+    Attributes:
+        maxmemory_bytes: the server's ``maxmemory`` (bytes, per server), > 0.
+        config_file: ``server.conf`` holding ``requirepass`` (``None``: no password, an open server).
+        password: the password in ``config_file`` (probes authenticate with it); ``None`` without one.
+        preferred_ports: ``{shard_idx: port}`` to try first (the ports the shards last had).
+    """
+
+    maxmemory_bytes: int
+    config_file: Path | None = None
+    password: str | None = None
+    preferred_ports: dict[int, int] | None = None
+
+
 @dataclass(slots=True)
 class _Launch:
     """A server process started by this call, not yet answering."""
@@ -89,13 +109,14 @@ class _Launch:
 
 
 def start_servers(
-    binary: Path, runtime_dir: Path, shard_idxs: Sequence[int], start_timeout_s: float
+    binary: Path, runtime_dir: Path, shard_idxs: Sequence[int], start_timeout_s: float, settings: ServerSettings
 ) -> list[ServerRecord]:
     """Start one server per shard index in parallel; all or none of them survive."""
     launches: list[_Launch] = []  # every process started, for cleanup on failure
     ready: list[ServerRecord] = []
     try:
-        pending = [_launch(binary, runtime_dir, shard_idx, 1, start_timeout_s, launches) for shard_idx in shard_idxs]
+        pending = [_launch(binary, runtime_dir, shard_idx, 1, start_timeout_s, settings, launches)
+                   for shard_idx in shard_idxs]
         while pending:
             still_pending = []
             for launch in pending:
@@ -104,17 +125,16 @@ def start_servers(
                     if "Address already in use" in log_tail and launch.attempt < MAX_START_ATTEMPTS:
                         # Lost the race for the free port to another program: pick another.
                         still_pending.append(
-                            _launch(
-                                binary, runtime_dir, launch.shard_idx, launch.attempt + 1, start_timeout_s, launches
-                            )
+                            _launch(binary, runtime_dir, launch.shard_idx, launch.attempt + 1, start_timeout_s,
+                                    settings, launches)
                         )
                         continue
                     raise ServerStartError(
                         f"valkey-server for shard {launch.shard_idx} on port {launch.port} exited with code "
                         f"{launch.process.returncode}; see {launch.log_path}: {log_tail.strip()[-500:]!r}"
                     )
-                if _probe_pid(launch.port) == launch.process.pid:
-                    ready.append(_record_of(launch))
+                if _probe_pid(launch.port, settings.password) == launch.process.pid:
+                    ready.append(_record_of(launch, settings))
                 elif time.monotonic() > launch.deadline_s:
                     _kill_launch(launch)
                     raise ServerStartError(
@@ -137,20 +157,22 @@ def start_servers(
     return ready
 
 
-def _launch(
-    binary: Path, runtime_dir: Path, shard_idx: int, attempt: int, start_timeout_s: float, launches: list[_Launch]
-) -> _Launch:
-    port = _pick_free_port()
+def _launch(binary: Path, runtime_dir: Path, shard_idx: int, attempt: int, start_timeout_s: float,
+            settings: ServerSettings, launches: list[_Launch]) -> _Launch:
+    preferred = (settings.preferred_ports or {}).get(shard_idx) if attempt == 1 else None
+    port = preferred if preferred is not None and _port_is_free(preferred) else _pick_free_port()
     data_dir = runtime_dir / f"shard-{shard_idx}-data"
     data_dir.mkdir(mode=0o700, exist_ok=True)
     log_path = runtime_dir / f"shard-{shard_idx}.log"
     command = [
         str(binary),
+        *([str(settings.config_file)] if settings.config_file is not None else []),  # must come first
         "--port", str(port),
         "--bind", _LOOPBACK_HOST,
         "--protected-mode", "yes",
         "--save", "",
         "--appendonly", "no",
+        "--maxmemory", str(settings.maxmemory_bytes),
         "--maxmemory-policy", "noeviction",
         "--daemonize", "no",
         "--logfile", "",
@@ -190,7 +212,7 @@ def _launch(
     return launch
 
 
-def _record_of(launch: _Launch) -> ServerRecord:
+def _record_of(launch: _Launch, settings: ServerSettings) -> ServerRecord:
     # The server outlives this Popen object; mark it as "handled" so that garbage-collecting the object neither
     # warns ("subprocess N is still running") nor keeps it on subprocess's reap list.
     launch.process.returncode = 0
@@ -202,6 +224,8 @@ def _record_of(launch: _Launch) -> ServerRecord:
         data_dir=str(launch.data_dir),
         log_path=str(launch.log_path),
         started_at_unix_s=launch.started_at_unix_s,
+        maxmemory_bytes=settings.maxmemory_bytes,
+        password_protected=settings.password is not None,
     )
 
 
@@ -219,6 +243,18 @@ def _pick_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _port_is_free(port: int) -> bool:
+    """Whether nothing listens on ``port`` of 127.0.0.1 (connections of a stopped server in TIME_WAIT do not count:
+    valkey-server binds with SO_REUSEADDR too)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((_LOOPBACK_HOST, port))
+        except OSError:
+            return False
+        return True
+
+
 def _read_log_tail(log_path: Path, offset_bytes: int) -> str:
     try:
         with open(log_path, "rb") as log_file:
@@ -232,23 +268,25 @@ def _read_log_tail(log_path: Path, offset_bytes: int) -> str:
 # Probing and stopping
 
 
-def _client(port: int) -> valkey.Valkey:
+def _client(port: int, password: str | None) -> valkey.Valkey:
     import valkey  # imported lazily: the CLI's --help and bad-input paths need no client
 
     return valkey.Valkey(
         host=_LOOPBACK_HOST,
         port=port,
+        password=password,
         socket_timeout=_PROBE_TIMEOUT_S,
         socket_connect_timeout=_PROBE_TIMEOUT_S,
         retry_on_timeout=False,
     )
 
 
-def _probe_pid(port: int) -> int | None:
-    """The ``process_id`` of the server answering on ``port``, or ``None`` if none answers."""
+def _probe_pid(port: int, password: str | None) -> int | None:
+    """The ``process_id`` of the server answering on ``port`` (authenticated with ``password`` unless ``None``), or
+    ``None`` if none answers (or it refuses the password)."""
     import valkey
 
-    client = _client(port)
+    client = _client(port, password)
     try:
         return int(client.info("server")["process_id"])
     except (valkey.exceptions.ValkeyError, OSError, KeyError, ValueError):
@@ -257,28 +295,33 @@ def _probe_pid(port: int) -> int | None:
         client.close()
 
 
-def probe_stats(record: ServerRecord) -> tuple[int, int] | None:
-    """``(used_memory_bytes, num_keys)`` if ``record``'s server is alive, else ``None``."""
+def probe_stats(record: ServerRecord, password: str | None) -> tuple[int, int, int] | None:
+    """``(used_memory_bytes, maxmemory_bytes, num_keys)`` if ``record``'s server is alive, else ``None``.
+
+    ``password`` is used only if the record says the server requires it."""
     import valkey
 
-    client = _client(record.port)
+    client = _client(record.port, password if record.password_protected else None)
     try:
         if int(client.info("server")["process_id"]) != record.pid:
             return None
-        return int(client.info("memory")["used_memory"]), int(client.dbsize())
+        memory = client.info("memory")
+        return int(memory["used_memory"]), int(memory["maxmemory"]), int(client.dbsize())
     except (valkey.exceptions.ValkeyError, OSError, KeyError, ValueError):
         return None
     finally:
         client.close()
 
 
-def is_alive(record: ServerRecord) -> bool:
-    """Whether ``record``'s server answers on its port with its recorded pid."""
-    return _probe_pid(record.port) == record.pid
+def is_alive(record: ServerRecord, password: str | None) -> bool:
+    """Whether ``record``'s server answers on its port with its recorded pid (authenticated with ``password`` if the
+    record says the server requires it)."""
+    return _probe_pid(record.port, password if record.password_protected else None) == record.pid
 
 
-def pid_is_valkey_server(pid: int, port: int) -> bool:
-    """Whether ``pid`` is (still) a running valkey-server, not a recycled pid of another program."""
+def pid_is_valkey_server(pid: int, port: int, password: str | None) -> bool:
+    """Whether ``pid`` is (still) a running valkey-server, not a recycled pid of another program (``password``: for
+    the probe where there is no ``/proc``)."""
     proc_dir = Path(f"/proc/{pid}")
     if Path("/proc/self").exists():
         try:
@@ -288,7 +331,7 @@ def pid_is_valkey_server(pid: int, port: int) -> bool:
             return False
         # valkey-server rewrites its title to "<binary> 127.0.0.1:<port>"; a zombie has an empty cmdline.
         return bool(cmdline) and (comm.startswith("valkey-server") or b"valkey-server" in cmdline)
-    return _probe_pid(port) == pid  # no /proc (macOS): trust the server's own answer
+    return _probe_pid(port, password) == pid  # no /proc (macOS): trust the server's own answer
 
 
 def _pid_gone(pid: int) -> bool:
