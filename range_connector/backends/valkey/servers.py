@@ -20,8 +20,9 @@ Layout of a runtime directory (mode 0700)::
     shard-<i>-data/       the server's working directory (--dir); empty since persistence is off
 
 The URLs that :func:`ensure_servers` returns carry the password (``valkey://:PASSWORD@127.0.0.1:PORT``): show them
-only through :func:`~range_connector.backends.valkey.urls.redact_url`. Benchmarks that need servers without a
-password (the RESP fast path without AUTH) ask for them explicitly (``require_password=False``).
+only through :func:`~range_connector.backends.valkey.urls.redact_url`. Benchmarks that compare against servers without
+a password (bench/granularity.py's plain rows) ask for them explicitly (``require_password=False``); the RESP fast
+path authenticates (:mod:`~range_connector.backends.valkey.resp`).
 
 Records of format 1 (servers started before they were bounded and closed: no memory limit, no password) are
 replaced: their live servers are stopped and started again, bounded and with the password, on the same ports (what
