@@ -21,8 +21,9 @@ TICKET_VERSION = 2
 
 
 def ticket_key(chunk_hash: ChunkHash, shard_idx: int, head: int = 0) -> bytes:
-    """Key of the ticket that covers KV head ``head`` of one shard's slice of one chunk."""
-    return b"rc2:t:%s:s%d:h%d" % (chunk_hash.hex().encode(), shard_idx, head)
+    """Key of the ticket that covers KV head ``head`` of one shard's slice of one chunk: ``t:<chunk>:s<s>:h<head>``,
+    within the deployment (each tier puts it under its deployment: on Valkey ``rc3:<deployment>:t:...``)."""
+    return b"t:%s:s%d:h%d" % (chunk_hash.hex().encode(), shard_idx, head)
 
 
 def head_keys(chunk_hash: ChunkHash, shard_idx: int, heads: range) -> list[bytes]:
