@@ -26,6 +26,15 @@ def ticket_key(chunk_hash: ChunkHash, shard_idx: int, head: int = 0) -> bytes:
     return b"t:%s:s%d:h%d" % (chunk_hash.hex().encode(), shard_idx, head)
 
 
+def key_chunk_hash(key: bytes) -> ChunkHash | None:
+    """The chunk hash a :func:`ticket_key` names (``None``: not a ticket key)."""
+    parts = key.split(b":")
+    try:
+        return ChunkHash(bytes.fromhex(parts[1].decode())) if len(parts) == 4 and parts[0] == b"t" else None
+    except ValueError:
+        return None
+
+
 def head_keys(chunk_hash: ChunkHash, shard_idx: int, heads: range) -> list[bytes]:
     """Keys a ticket covering ``heads`` is published under (one per head: :func:`ticket_key`)."""
     return [ticket_key(chunk_hash, shard_idx, h) for h in heads]

@@ -28,7 +28,7 @@ from range_connector.kv.layout import KVLayout, block_rows
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
-from range_connector.kv.tickets import Ticket, head_keys, ticket_key
+from range_connector.kv.tickets import Ticket, head_keys, key_chunk_hash, ticket_key
 from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
 from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
@@ -442,8 +442,7 @@ class RangeWorker:
         for b in {id(b): b for b in self.backends}.values():
             take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
             if take_evicted is not None:
-                for key in take_evicted():
-                    dropped.append(ChunkHash(bytes.fromhex(key.split(b":")[2].decode())))
+                dropped += [h for h in map(key_chunk_hash, take_evicted()) if h is not None]
         probe_timings = [self._probe_timings.pop(0) for _ in range(len(self._probe_timings))]
         if not (self.saver.has_saved() or dropped or self._failed_loads or self._loaded_reqs or self._load_timings
                 or probe_timings):
