@@ -322,7 +322,8 @@ class ValkeyBackend(Backend):
 
     def release(self, stripe_ids: Sequence[str], token: str | None = None) -> None:
         if stripe_ids:
-            self._call(1, lambda: self._release(keys=[f"{self.prefix}l:{sid}" for sid in stripe_ids], args=[token or ""]))
+            keys = [f"{self.prefix}l:{sid}" for sid in stripe_ids]
+            self._call(1, lambda: self._release(keys=keys, args=[token or ""]))
 
     def delete_tickets(self, keys: Sequence[bytes]) -> None:
         if keys:
