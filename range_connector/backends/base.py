@@ -21,6 +21,9 @@ Contract (checked by ``tests/backends/test_conformance_*.py`` against every back
 * ``lease`` protects stripes from eviction for ``ttl_s`` seconds (or until ``release``) and returns a token; each
   holder releases its own lease by token (two holders need two releases, and a holder whose lease expired cannot
   release another's); an expired lease protects nothing.
+* ``clear`` removes every entry of the backend's deployment (stripes, tickets, leases, the byte count) and fences
+  the writes in flight: a write that began before ``clear`` and ends after it stores nothing (``False``). Another
+  deployment's entries on the same server or directory are untouched.
 * Every call has a deadline: :class:`BackendTimeoutError` when it passes, :class:`BackendError` for other failures.
 * :class:`BackendCounters` count round trips, commands, bytes, allocations and copy launches (client side).
 """
@@ -29,12 +32,31 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from range_connector.config.keys import DEPLOYMENT_PATTERN
+
 Buffer = bytes | bytearray | memoryview
+
+#: The storage format, part of every key and directory a shared tier lays out: ``rc3`` added the deployment
+#: (Valkey keys ``rc3:<deployment>:...``, file tier ``<directory>/<deployment>/shard-<s>``); entries of older
+#: formats are never read.
+STORAGE_FORMAT = "rc3"
+
+
+def deployment_key_prefix(deployment: str) -> str:
+    """The prefix of every key a deployment stores on a key-value tier: ``rc3:<deployment>:``.
+
+    Raises:
+        ValueError: ``deployment`` is not a valid name (``config.keys.DEPLOYMENT_PATTERN``).
+    """
+    if not re.fullmatch(DEPLOYMENT_PATTERN, deployment):
+        raise ValueError(f"deployment {deployment[:80]!r} does not match {DEPLOYMENT_PATTERN}")
+    return f"{STORAGE_FORMAT}:{deployment}:"
 
 
 @dataclass(slots=True)
@@ -220,6 +242,18 @@ class Backend(abc.ABC):
             BackendTimeoutError, BackendError.
         """
         raise NotImplementedError(f"{self.name} cannot drop stripes")
+
+    def clear(self) -> None:
+        """Remove every entry of this backend's deployment on the shard: stripes, tickets, leases and the byte
+        count, leased or not; writes in flight when it is called store nothing. Other deployments' entries stay.
+
+        Each round trip has the tier's deadline; the number of round trips grows with the entries removed (about one
+        per thousand keys on Valkey).
+
+        Raises:
+            BackendTimeoutError, BackendError: the tier could not be cleared (some entries may remain).
+        """
+        raise NotImplementedError(f"{self.name} cannot clear")
 
     def view_stripes(self, stripe_ids: Sequence[str]) -> list[list[memoryview] | None]:
         """Lend read-only views of stored stripes, ``[num_layers]`` layer values each (``None``: gone).

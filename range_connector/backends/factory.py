@@ -118,7 +118,7 @@ def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
 
         root = tier.directory or os.path.join(config.resolved_runtime_dir, "files")
         try:
-            return [FileBackend(os.path.join(os.path.expanduser(root), f"shard-{s}"),
+            return [FileBackend(os.path.join(os.path.expanduser(root), config.deployment, f"shard-{s}"),
                                 tier.budget_bytes or None, timeout_s=tier.timeout_s)
                     for s in shard_idxs]
         except (OSError, BackendError) as exc:  # (FileBackend reports a directory it cannot create as BackendError)
@@ -132,7 +132,7 @@ def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
     for url in (urls[s] for s in shard_idxs):
         try:
             backends.append(ValkeyBackend(url, timeout_s=tier.timeout_s, capacity_bytes=budget_bytes or None,
-                                          access=access))
+                                          access=access, deployment=config.deployment))
         except BackendError as exc:
             for b in backends:
                 b.close()

@@ -310,6 +310,9 @@ class LatencyBackend(Backend):
     def drop_stripes(self, stripe_ids: Sequence[str]) -> None:
         self._round_trip("drop_stripes", _WRITE, lambda: self._inner.drop_stripes(stripe_ids), lambda _: 0)
 
+    def clear(self) -> None:
+        self._round_trip("clear", _WRITE, self._inner.clear, lambda _: 0)
+
     def ping(self) -> None:
         self._round_trip("ping", _READ, self._inner.ping, lambda _: 0)
 

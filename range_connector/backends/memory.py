@@ -172,6 +172,17 @@ class MemoryBackend(Backend):
                         self._evicted.append(key)
         self._count(round_trips=1, commands=len(stripe_ids))
 
+    def clear(self) -> None:
+        # One step under the lock: a write is either wholly before it (and removed) or wholly after it.
+        with self._lock:
+            self._stripes.clear()
+            self._stripe_tickets.clear()
+            self._tickets.clear()
+            self._leases.clear()
+            self._used_bytes = 0
+            self._evicted = []
+        self._count(round_trips=1, commands=1)
+
     def ping(self) -> None:
         self._count(round_trips=1, commands=1)
 

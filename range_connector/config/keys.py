@@ -38,6 +38,10 @@ def embedded_budget_bytes(maxmemory_bytes: int) -> int:
     server refuses writes (``noeviction``): a skipped save, never a lost entry.
     """
     return maxmemory_bytes - max(maxmemory_bytes // 16, 16 << 20)
+#: what a deployment name may be: it is part of every key and directory a tier stores (no glob, path or key
+#: separators), 1-64 characters
+DEPLOYMENT_PATTERN = r"[A-Za-z0-9_-]{1,64}"
+DEFAULT_DEPLOYMENT = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,7 @@ class Key:
         choices: the allowed values of a ``"choice"`` key.
         allow_zero: numbers: 0 is allowed (otherwise they must be > 0).
         types: tier keys: the tier types the key applies to (empty: all).
+        pattern: ``"str"`` keys: a regular expression the whole value must match (empty: any string).
     """
 
     name: str
@@ -66,6 +71,7 @@ class Key:
     choices: tuple[str, ...] = ()
     allow_zero: bool = False
     types: tuple[str, ...] = ()
+    pattern: str = ""
 
 
 ENGINE_KEYS: tuple[Key, ...] = (
@@ -112,6 +118,12 @@ ENGINE_KEYS: tuple[Key, ...] = (
         "group by layer group."),
     Key("bank_bytes", "int", "bytes", 64 << 20, "67108864",
         "Target size of one transfer bank: a bank holds as many whole layers of a step's load as fit (at least one)."),
+    Key("deployment", "str", "-", DEFAULT_DEPLOYMENT, f'"{DEFAULT_DEPLOYMENT}"',
+        "Name of the deployment (letters, digits, _ and -, at most 64): engines that share it share entries (a fleet, "
+        "a prefill/decode pair), with one LRU, one byte budget and one reset (`reset_external`) per shard; engines "
+        "of different deployments on the same servers or directory never see each other's entries (Valkey keys "
+        "`rc3:<deployment>:...`, file tier `directory/<deployment>/shard-s`). Separate from the namespace: two "
+        "deployments of the same model do not share.", pattern=DEPLOYMENT_PATTERN),
     Key("namespace_salt", "str", "-", "", '""',
         "Extra text mixed into the namespace (model revision, adapter, anything that changes KV bytes and that vLLM's "
         "config does not show)."),
@@ -125,7 +137,8 @@ TIER_KEYS: tuple[Key, ...] = (
         "One `valkey://host:port` URL per shard. Empty: embedded servers are started and shared through "
         "`runtime_dir`.", types=("valkey",)),
     Key("directory", "str", "path", None, "runtime_dir/files",
-        "Root of the file tier; shard s keeps its stripes, ticket log and leases in directory/shard-s.",
+        "Root of the file tier; shard s of a deployment keeps its stripes, ticket log and leases in "
+        "directory/<deployment>/shard-s.",
         types=("file",)),
     Key("capacity_bytes", "int", "bytes", None, "1073741824 for memory; valkey with embedded servers: "
         "embedded_maxmemory_bytes less max(1/16, 16 MiB) (1 GiB -> 1006632960); 0 (no budget) for configured valkey "

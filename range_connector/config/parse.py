@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -96,6 +97,8 @@ def check_value(key: Key, value: Any, path: str) -> Any:
             raise ConfigError(path, f"{value!r} is not a string")
         if key.unit == "path" and key.default is None and not value:
             raise ConfigError(path, f"{value!r} is not a path")
+        if key.pattern and not re.fullmatch(key.pattern, value):
+            raise ConfigError(path, f"{value[:80]!r} does not match {key.pattern}")
         return value
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):

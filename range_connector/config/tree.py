@@ -16,6 +16,7 @@ from range_connector.config.keys import (
     DEFAULT_CAPACITY_BYTES,
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_EMBEDDED_MAXMEMORY_BYTES,
+    DEFAULT_DEPLOYMENT,
     FLAT_CAPACITY_TYPES,
     FLAT_TIER_KEYS,
     MIN_EMBEDDED_MAXMEMORY_BYTES,
@@ -188,6 +189,7 @@ class RangeConfig:
     lease_ttl_s: float = 60.0
     num_banks: int = 4
     bank_bytes: int = 64 << 20
+    deployment: str = DEFAULT_DEPLOYMENT
     namespace_salt: str = ""
 
     @classmethod

@@ -79,7 +79,8 @@ class RequestTransfer:
 class RangeConnectorMetadata:
     """Scheduler -> worker metadata of one engine step (``step_idx``: its place among the steps this scheduler
     built, from 0; ``reports_learnt_through``: the latest step whose worker report the scheduler had processed when
-    it built this one, -1 for none)."""
+    it built this one, -1 for none; ``reset_generation``: how many times the connector's cache was reset, so that
+    workers clear their in-process tier and drop the saves planned before a reset, before this step's work)."""
 
     loads: list[RequestTransfer] = field(default_factory=list)
     saves: list[RequestTransfer] = field(default_factory=list)
@@ -88,6 +89,7 @@ class RangeConnectorMetadata:
     probes: list[tuple[Ticket, ...]] = field(default_factory=list)
     step_idx: int = 0
     reports_learnt_through: int = -1
+    reset_generation: int = 0
 
 
 @dataclass

@@ -32,8 +32,18 @@ MAX_LAYER_BYTES = 2 << 30
 
 
 def ticket_key(chunk_hash: ChunkHash, shard_idx: int, head: int = 0) -> bytes:
-    """Key of the ticket that covers KV head ``head`` of one shard's slice of one chunk."""
-    return b"rc2:t:%s:s%d:h%d" % (chunk_hash.hex().encode(), shard_idx, head)
+    """Key of the ticket that covers KV head ``head`` of one shard's slice of one chunk: ``t:<chunk>:s<s>:h<head>``,
+    within the deployment (each tier puts it under its deployment: on Valkey ``rc3:<deployment>:t:...``)."""
+    return b"t:%s:s%d:h%d" % (chunk_hash.hex().encode(), shard_idx, head)
+
+
+def key_chunk_hash(key: bytes) -> ChunkHash | None:
+    """The chunk hash a :func:`ticket_key` names (``None``: not a ticket key)."""
+    parts = key.split(b":")
+    try:
+        return ChunkHash(bytes.fromhex(parts[1].decode())) if len(parts) == 4 and parts[0] == b"t" else None
+    except ValueError:
+        return None
 
 
 def head_keys(chunk_hash: ChunkHash, shard_idx: int, heads: range) -> list[bytes]:

@@ -105,7 +105,7 @@ class RangeScheduler:
                                       "lease_errors": 0, "remote_waits": 0, "remote_wait_timeouts": 0,
                                       "settings_mismatches": 0, "reoffers_refused": 0, "lookups_pending": 0,
                                       "lookups_skipped_unprofitable": 0, "loads_not_started_late": 0,
-                                      "late_load_probes": 0}
+                                      "late_load_probes": 0, "resets": 0}
         self.lookup = PrefixLookup(config, self.plan, lookup_backends, num_layers=num_layers,
                                    layer_block_bytes=layer_block_bytes, stats=self.stats, groups=groups)
         self.leases = LeaseBook(lookup_backends, config.lease_ttl_s, self.stats)
@@ -132,6 +132,8 @@ class RangeScheduler:
         self._requests: dict[str, RequestState] = {}
         #: promised tokens of each load, settled as loaded, failed or aborted once the workers report it
         self.tally = LoadTally()
+        #: times :meth:`reset_cache` ran (sent to the workers in every step's metadata)
+        self.reset_generation = 0
 
     @property
     def gate(self) -> CostGate | None:
@@ -278,7 +280,8 @@ class RangeScheduler:
         """Collect this step's loads and the saves of chunks whose tokens are computed by the end of the step."""
         self.handoff.close_open()  # (should the last step have brought no connector output)
         meta = RangeConnectorMetadata(loads=self._loads, probes=self.admission.take_probes(), step_idx=self._step_idx,
-                                      reports_learnt_through=self._reports_learnt_through)
+                                      reports_learnt_through=self._reports_learnt_through,
+                                      reset_generation=self.reset_generation)
         self._step_idx += 1
         self._loads = []
         self.admission.observe_step(scheduler_output)
@@ -361,6 +364,25 @@ class RangeScheduler:
         announcement = self.handoff.announcement(request, state, can_save=self.can_save, chunk_tokens=self.chunk_tokens)
         self.inputs.forget(req_id)
         return False, announcement
+
+    def reset_cache(self) -> bool:
+        """``KVConnectorBase_V1.reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, the API
+        server's ``/reset_prefix_cache?reset_external=true``): remove this deployment's entries from the tier.
+
+        Shared tiers (Valkey, files) are cleared from here, every shard, and lookups miss from the moment this
+        returns; writes in flight store nothing (the tier's reset epoch). The in-process DRAM tier's index is
+        cleared here and its bytes by each worker before the next step (``reset_generation`` in the metadata),
+        which also drops the saves gathered before the reset. Other deployments' entries are untouched. Loads
+        already planned read what is left and recompute what is gone.
+
+        Returns:
+            ``False`` if a shard could not be cleared (down or erroring; logged), else ``True``.
+        """
+        self.reset_generation += 1
+        ok = self.lookup.reset()
+        self.stats["resets"] += 1
+        logger.info("Range: cache of deployment %s reset%s", self.config.deployment, "" if ok else " (incomplete)")
+        return ok
 
     def close(self) -> None:
         """Release leases, lookup connections and threads."""

@@ -200,6 +200,25 @@ class PrefixLookup:
             self.index.pop(h, None)
             self._partial.pop(h, None)
 
+    def reset(self) -> bool:
+        """Forget every stored chunk of this deployment: clear each shared backend (:meth:`Backend.clear`), or the
+        DRAM tier's index here (the workers clear their bytes when the next step's metadata tells them). Lookups
+        miss from the moment this returns. A lookup still running in the background finishes with what it read.
+
+        Returns:
+            ``False`` if a backend could not be cleared (logged; it may still hold some entries), else ``True``.
+        """
+        self.index.clear()
+        self._partial.clear()
+        ok = True
+        for backend in {id(b): b for b in self.backends or ()}.values():
+            try:
+                backend.clear()
+            except (BackendError, NotImplementedError) as exc:
+                logger.warning("Range reset: %s not cleared: %s", backend.name, exc)
+                ok = False
+        return ok
+
     def close(self) -> None:
         """Stop the lookup threads and close the backends."""
         self._pool.shutdown(wait=False)

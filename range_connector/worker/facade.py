@@ -28,7 +28,7 @@ from range_connector.kv.layout import KVLayout, block_rows
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata, RequestTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
-from range_connector.kv.tickets import Ticket, head_keys, ticket_key
+from range_connector.kv.tickets import Ticket, head_keys, key_chunk_hash, ticket_key
 from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
 from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
@@ -127,6 +127,23 @@ class RangeWorker:
         #: writes this worker's saves (:mod:`range_connector.worker.saves`)
         self.saver = StripeSaver(config, self.plan, backends, self.shard_idxs, self.stats, head_slice=head_slice,
                                  ticket_group=ticket_group)
+        #: the scheduler's resets this worker followed (RangeConnectorMetadata.reset_generation)
+        self.reset_generation = 0
+
+    def follow_reset(self, meta: RangeConnectorMetadata) -> None:
+        """Before a step's work: if the scheduler reset the connector's cache since the last step, clear the
+        in-process tier (the scheduler cleared the shared ones and its own index of this one) and drop the saves
+        gathered before the reset. Never raises."""
+        if meta.reset_generation <= self.reset_generation:
+            return
+        self.reset_generation = meta.reset_generation
+        self.saver.reset(meta.reset_generation)
+        for backend in {id(b): b for b in self.backends if not b.is_shared}.values():
+            try:
+                backend.clear()
+            except (BackendError, NotImplementedError) as exc:
+                logger.warning("Range reset: %s not cleared: %s", backend.name, exc)
+        self.stats["resets"] += 1
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """View the engine's KV tensors as rows (see :func:`range_connector.kv.layout.block_rows`)."""
@@ -153,6 +170,7 @@ class RangeWorker:
         :meth:`take_failed_block_ids` (vLLM recomputes them). Never raises for a tier failure.
         """
         self._finish_step_job()
+        self.follow_reset(meta)
         self.step_idx = meta.step_idx
         if meta.probes and self.tp_rank == 0:  # (one rank probes: the timing is the tier's)
             for tickets in meta.probes:
@@ -378,6 +396,7 @@ class RangeWorker:
         after its write with ``"async"``).
         """
         self._finish_step_job()
+        self.follow_reset(meta)
         if not meta.saves or not self.is_writer:  # (a replica's heads are written by its ticket group's writer)
             return
         if self.layout is None:  # no KV cache registered: nothing can be stored
@@ -423,8 +442,7 @@ class RangeWorker:
         for b in {id(b): b for b in self.backends}.values():
             take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
             if take_evicted is not None:
-                for key in take_evicted():
-                    dropped.append(ChunkHash(bytes.fromhex(key.split(b":")[2].decode())))
+                dropped += [h for h in map(key_chunk_hash, take_evicted()) if h is not None]
         probe_timings = [self._probe_timings.pop(0) for _ in range(len(self._probe_timings))]
         if not (self.saver.has_saved() or dropped or self._failed_loads or self._loaded_reqs or self._load_timings
                 or probe_timings):

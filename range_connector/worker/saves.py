@@ -78,6 +78,8 @@ class StripeSaver:
         self._pending: weakref.WeakSet[Future] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._backlog_bytes = 0
+        #: resets seen (:meth:`reset`): a save gathered in an earlier generation is not written, nor reported
+        self.generation = 0
 
     @property
     def backlog_bytes(self) -> int:
@@ -101,6 +103,13 @@ class StripeSaver:
         with self._lock:
             results, self._results = self._results, []
         return results
+
+    def reset(self, generation: int) -> None:
+        """The connector's cache was reset (``generation``: resets so far): saves gathered before are not written,
+        and completed saves not yet taken (:meth:`take_saved`) are forgotten (their tier was cleared)."""
+        with self._lock:
+            self.generation = generation
+            self._saved = []
 
     def report(self, owners: Sequence[SaveOwner], stored: bool) -> None:
         """Record the outcome of owned chunks that are not handed to :meth:`save` (dropped before it), for
@@ -143,7 +152,7 @@ class StripeSaver:
                 stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks, context)))
         hashes = [h for h, _ in chunks]
         if self.config.save_mode != "async":
-            self._write_stripes(stripes, hashes, owners, 0, context)
+            self._write_stripes(stripes, hashes, owners, 0, context, self.generation)
             return
         nbytes = sum(v.numel() * v.element_size() for *_rest, values in stripes for v in values)
         with self._lock:
@@ -152,7 +161,8 @@ class StripeSaver:
                 self._results.extend((o[0], o[1], False) for o in owners if o is not None)
                 return
             self._backlog_bytes += nbytes
-        self._pending.add(self._thread.submit(self._write_stripes, stripes, hashes, owners, nbytes, context))
+        self._pending.add(self._thread.submit(self._write_stripes, stripes, hashes, owners, nbytes, context,
+                                              self.generation))
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"``; whether all ended."""
@@ -176,18 +186,24 @@ class StripeSaver:
         return [gather_layer(rows, layout, layer_idx, index) for layer_idx in range(num_layers)]
 
     def _write_stripes(self, stripes: list, hashes: list[ChunkHash], owners: Sequence[SaveOwner], backlog_bytes: int,
-                       context: LoadContext) -> None:
-        """Write gathered stripes; chunks whose every shard was written are reported saved, and every owned chunk's
-        outcome (stored or not) is kept for :meth:`take_results`."""
+                       context: LoadContext, generation: int) -> None:
+        """Write gathered stripes (of reset ``generation``: none once a reset came since); chunks whose every shard
+        was written are reported saved, and every owned chunk's outcome (stored or not) is kept for
+        :meth:`take_results`."""
         reported = False
         try:
             tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
             for s, backend, stripe_chunks, values in stripes:
+                if self.generation != generation:
+                    self.stats["saves_skipped_reset"] += 1
+                    break
                 self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk, context)
             saved = [(h, self.ticket_group, tuple(tickets)) for h, tickets in tickets_by_chunk.items()
                      if all(t is not None for t in tickets)]
-            stored = {h for h, _group, _tickets in saved}
             with self._lock:
+                if self.generation != generation:  # (a reset while it was written: the in-process tier is cleared)
+                    saved = []
+                stored = {h for h, _group, _tickets in saved}
                 self._saved.extend(saved)  # type: ignore[arg-type]
                 self._results.extend((o[0], o[1], h in stored) for h, o in zip(hashes, owners) if o is not None)
                 self._backlog_bytes -= backlog_bytes

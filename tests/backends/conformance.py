@@ -31,13 +31,17 @@ import msgpack
 import pytest
 import valkey
 
-from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.backends.base import Backend, RangeRead, StripeWrite, deployment_key_prefix
 from range_connector.backends.file.backend import FileBackend
 from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
 from range_connector.backends.memory import MemoryBackend
 from range_connector.backends.valkey.client import ValkeyBackend
+from range_connector.config.keys import DEFAULT_DEPLOYMENT
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.tickets import Ticket, ticket_key
+
+#: the key prefix of the default deployment on Valkey
+PREFIX = deployment_key_prefix(DEFAULT_DEPLOYMENT)
 
 MiB = 1 << 20
 SERVER_LIMIT_BYTES = 1 * MiB  # the smallest proto-max-bulk-len Valkey accepts
@@ -260,7 +264,7 @@ class ValkeyStore(Store):
         return self._commandstats(self.server_url)
 
     def leases_held(self, backend: Backend) -> int:
-        return sum(self._admin.hlen(k) for k in self._admin.scan_iter(match=b"rc2:l:*", count=1000))
+        return sum(self._admin.hlen(k) for k in self._admin.scan_iter(match=f"{PREFIX}l:*", count=1000))
 
     def audit(self, backend: Backend) -> None:
         audit_valkey(self._admin)
@@ -274,19 +278,20 @@ class ValkeyStore(Store):
         self._admin.close()
 
 
-def audit_valkey(admin: valkey.Valkey) -> None:
-    """The Valkey tier's bookkeeping (see :meth:`Store.audit`)."""
-    keys = [k.decode() for k in admin.scan_iter(match=b"rc2:*", count=1000)]
-    manifests = {k.removeprefix("rc2:m:"): msgpack.unpackb(admin.get(k)) for k in keys if k.startswith("rc2:m:")}
-    lru = {m.decode() for m in admin.zrange("rc2:lru", 0, -1)}
-    used = int(admin.get("rc2:used") or 0)
+def audit_valkey(admin: valkey.Valkey, prefix: str = PREFIX) -> None:
+    """The Valkey tier's bookkeeping of one deployment (``prefix``; see :meth:`Store.audit`)."""
+    keys = [k.decode() for k in admin.scan_iter(match=f"{prefix}*", count=1000)]
+    manifests = {k.removeprefix(f"{prefix}m:"): msgpack.unpackb(admin.get(k)) for k in keys
+                 if k.startswith(f"{prefix}m:")}
+    lru = {m.decode() for m in admin.zrange(f"{prefix}lru", 0, -1)}
+    used = int(admin.get(f"{prefix}used") or 0)
     assert used == sum(m[0] for m in manifests.values()), (used, manifests)
     assert set(manifests) == lru
     for k in keys:
-        if k.startswith("rc2:s:"):
-            _, _, sid, layer = k.split(":")
+        if k.startswith(f"{prefix}s:"):
+            sid, layer = k.removeprefix(f"{prefix}s:").split(":")
             assert sid in manifests and int(layer) < manifests[sid][1], f"orphaned layer value {k}"
-        elif k.startswith("rc2:t:"):
+        elif k.startswith(f"{prefix}t:"):
             sid = msgpack.unpackb(admin.get(k))[1]
             assert sid in manifests, f"ticket {k} points at stripe {sid}, which is gone"
 

@@ -146,7 +146,7 @@ class TestStripeStoreContract(StripeStoreContract):
         stripe_bytes = make_stripe(0, num_chunks=3).nbytes
         b = store.make(capacity_bytes=2 * stripe_bytes)
         old = make_stripe(1, num_chunks=3)
-        new = make_stripe(2, num_chunks=3, keys=[old.keys[1], old.keys[2], b"rc2:t:%064x:s0:r0" % 7])
+        new = make_stripe(2, num_chunks=3, keys=[old.keys[1], old.keys[2], b"t:%064x:s0:r0" % 7])
         assert b.write_stripe(old.write) is True
         assert b.write_stripe(new.write) is True
         assert b.get_tickets(old.keys) == [old.encoded[0], new.encoded[0], new.encoded[1]]

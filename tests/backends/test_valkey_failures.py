@@ -230,7 +230,7 @@ class TestValkeyFailures:
         try:
             b = ValkeyBackend(_db_url(server.url, db), timeout_s=timeout_s)
             calls = [
-                ("get_tickets", lambda: b.get_tickets([b"rc2:t:slow"])),
+                ("get_tickets", lambda: b.get_tickets([b"t:slow"])),
                 ("read_ranges", lambda: b.read_ranges([RangeRead("slow", 0, 0, 8, 8, memoryview(bytearray(8)))])),
                 ("read_ranges sub-range",
                  lambda: b.read_ranges([RangeRead("slow", 0, 2, 4, 8, memoryview(bytearray(4)))])),

@@ -153,8 +153,11 @@ def main(spec_path: str, out_path: str) -> None:
             client = valkey.Valkey.from_url(step["url"])
             _shard, tkey = llm.collective_rpc(debug.connector_last_loaded_tickets)[step.get("rank", 0)][0]
             # A ticket is [version, stripe_id, block_offset, num_blocks, stripe_blocks, layers, planes, row_bytes, ...]
-            ticket = msgpack.unpackb(client.get(tkey))
-            key = f"rc2:s:{ticket[1]}:0"  # layer 0 of the stripe
+            from range_connector.backends.base import deployment_key_prefix
+
+            prefix = deployment_key_prefix(step.get("deployment", "default"))  # tickets keys are per deployment
+            ticket = msgpack.unpackb(client.get(prefix.encode() + tkey))
+            key = f"{prefix}s:{ticket[1]}:0"  # layer 0 of the stripe
             offset = ticket[2] * ticket[7] + step.get("byte_offset", 0)  # inside the chunk's first block
             value = bytearray(client.get(key))
             value[offset] ^= 0xFF

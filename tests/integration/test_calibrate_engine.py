@@ -13,7 +13,9 @@ import pytest
 pytest.importorskip("vllm")
 valkey = pytest.importorskip("valkey")
 
+from range_connector.backends.base import deployment_key_prefix  # noqa: E402
 from range_connector.cli import main  # noqa: E402
+from range_connector.config.keys import DEFAULT_DEPLOYMENT  # noqa: E402
 from range_connector.cost.calibration_file import load_calibration  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -23,8 +25,9 @@ def _keys_and_used(url: str) -> tuple[set[bytes], int]:
     """The tier's keys other than its byte counter, and the counter (a missing counter is 0 bytes)."""
     client = valkey.Valkey.from_url(url, socket_timeout=5.0)
     try:
-        keys = set(client.scan_iter(match=b"rc2:*", count=1000)) - {b"rc2:used"}
-        return keys, int(client.get("rc2:used") or 0)
+        prefix = deployment_key_prefix(DEFAULT_DEPLOYMENT)
+        keys = set(client.scan_iter(match=f"{prefix}*", count=1000)) - {f"{prefix}used".encode()}
+        return keys, int(client.get(f"{prefix}used") or 0)
     finally:
         client.close()
 

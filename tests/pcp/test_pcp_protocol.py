@@ -82,12 +82,15 @@ def produce(pool: RankPool, pcp_size: int, urls: list[str], prompt: list[int], r
 
 
 def lease_keys(url: str) -> list[bytes]:
-    """Lease counters held on a shard's server (``rc2:l:<stripe>``, see backends/valkey.py)."""
+    """Lease counters held on a shard's server (``rc3:<deployment>:l:<stripe>``, see backends/valkey/client.py)."""
     import valkey
+
+    from range_connector.backends.base import deployment_key_prefix
+    from range_connector.config.keys import DEFAULT_DEPLOYMENT
 
     client = valkey.Valkey.from_url(url, socket_timeout=5.0)
     try:
-        return sorted(client.scan_iter(match="rc2:l:*"))
+        return sorted(client.scan_iter(match=f"{deployment_key_prefix(DEFAULT_DEPLOYMENT)}l:*"))
     finally:
         client.close()
 

@@ -13,6 +13,11 @@ Layout under ``root_dir``:
   Memory: about 0.7 KiB per ticket per process; a new process replays the log once (0.6 s per 100k tickets).
 * ``leases/<sid>.<expiry ns, wall clock>.<uuid>``: empty files; one listing tells every process the live leases.
 * ``*.tmp``: files being written, renamed into place. ``lock``: a file lock for eviction and publishing.
+* ``epoch``: how many times the shard was cleared (:meth:`FileBackend.clear`; absent: 0). A write reads it under the
+  lock when it reserves its bytes and again when it publishes, and publishes nothing if it changed in between.
+
+The factory puts each deployment's shards under ``<directory>/<deployment>/shard-<s>``, so deployments sharing a
+directory have their own budget, LRU and clear.
 
 Capacity (C17): ``used_bytes`` is the sum over the stripe files in ``stripes/`` (in-flight ones included) of their
 ``st_size`` less the header page, read from the directory each time: it follows the files whatever removed them.
@@ -185,6 +190,7 @@ class FileBackend(Backend):
                 if self.capacity_bytes is not None and not make_room(self.root, need, self.capacity_bytes,
                                                                      self._stale_ns, self._log):
                     return False
+                epoch = self._epoch()
                 fd = os.open(tmp, NEW_FILE, 0o644)
                 try:
                     os.ftruncate(fd, PAGE + need)  # the reservation: every process's scan counts it from now on
@@ -197,6 +203,9 @@ class FileBackend(Backend):
                 if self.fsync:
                     os.fsync(fd)
                 with self._locked(call):
+                    if self._epoch() != epoch:  # cleared while the bytes were written: store nothing
+                        unlink(tmp)
+                        return False
                     touch(fd)
                     os.rename(tmp, self._files.path(sid))
                     if puts:  # published last: a reader that sees a ticket finds its stripe
@@ -301,6 +310,29 @@ class FileBackend(Backend):
 
         if ids:
             self._run("drop_stripes", [task])
+
+    def clear(self) -> None:
+        def task(call: Call) -> None:
+            with self._locked(call):
+                self._set_epoch(self._epoch() + 1)  # first: writes reserved before it refuse to publish
+                self._log.clear()
+                for sub in ("stripes", "leases"):  # (temp files of writes in flight included)
+                    for name in os.listdir(self.root / sub):
+                        unlink(self.root / sub / name)
+
+        self._run("clear", [task])
+
+    def _epoch(self) -> int:
+        """The shard's reset epoch (hold the lock); an unreadable file counts as 0 (a clear rewrites it)."""
+        try:
+            return int((self.root / "epoch").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def _set_epoch(self, epoch: int) -> None:
+        tmp = self.root / f"epoch.{uuid.uuid4().hex}.tmp"
+        tmp.write_text(str(epoch))
+        os.rename(tmp, self.root / "epoch")
 
     def ping(self) -> None:
         self._run("ping", [lambda call: os.stat(self.root / "stripes")])

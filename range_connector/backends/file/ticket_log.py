@@ -81,6 +81,14 @@ class TicketLog:
                 self._append(ops)
                 self._dropped.extend(op[1] for op in ops)
 
+    def clear(self) -> None:
+        """Delete every live ticket, in one frame (hold the shard's file lock)."""
+        with self.lock:
+            self._catch_up(writer=True)
+            ops = [[0, key, None] for key in self.tickets]
+            if ops:
+                self._append(ops)
+
     def take_dropped(self) -> list[bytes]:
         """Return and forget the ticket keys that :meth:`drop_stripes` deleted since the last call."""
         out, self._dropped = self._dropped, []

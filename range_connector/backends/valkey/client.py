@@ -1,11 +1,18 @@
 """Valkey tier: one server per shard; stripes as one value per layer, tickets as small keys, Range's own LRU.
 
-Keys (``rc2:`` prefix): ``s:<stripe>:<layer>`` layer values, ``m:<stripe>`` manifest (bytes, layers, ticket keys),
-``t:...`` tickets (see tickets.py), ``lru`` (sorted set of stripes by last use, seconds), ``used`` (bytes of
-stripes), ``l:<stripe>`` lease counters with a time-to-live. Eviction runs inside the server as one Lua script
-(atomic: a stripe is either leased and kept, or removed with every ticket that still points at it; the scripts:
+Keys, all under the deployment's prefix ``rc3:<deployment>:`` (:func:`~range_connector.backends.base.
+deployment_key_prefix`): ``s:<stripe>:<layer>`` layer values, ``m:<stripe>`` manifest (bytes, layers, ticket keys,
+deployment), ``t:...`` tickets (see tickets.py), ``lru`` (sorted set of stripes by last use, seconds), ``used``
+(bytes of stripes), ``w:<stripe>`` write guards, ``l:<stripe>`` lease counters with a time-to-live, ``epoch`` (times
+the deployment was cleared). Each deployment thus has its own LRU and byte budget on a shared server, and
+:meth:`ValkeyBackend.clear` removes only its keys. Eviction runs inside the server as one Lua script (atomic: a
+stripe is either leased and kept, or removed with every ticket that still points at it; the scripts:
 :mod:`~range_connector.backends.valkey.scripts`). The server's own eviction stays off (``noeviction``); a write
 refused for memory is a skipped save.
+
+A write is three steps: the reservation (registers the stripe and records the reset epoch), the values, and the
+commit (one script, in the same round trip as the values) that publishes the tickets only if the stripe is still
+registered in that epoch; a clear in between makes the commit remove the values instead.
 
 Each call is one pipeline (or one script) with a deadline for the whole call; connection errors and timeouts become
 :class:`BackendError` / :class:`BackendTimeoutError` naming the server.
@@ -31,10 +38,14 @@ from range_connector.backends.base import (
     RangeRead,
     ScatterDest,
     StripeWrite,
+    deployment_key_prefix,
 )
 from range_connector.backends.valkey.pool import RespPool
 from range_connector.backends.valkey.resp import RespReplyTooLargeError, RespSetup
 from range_connector.backends.valkey.scripts import (
+    CLEAR_LUA,
+    CLEARED_LUA,
+    COMMIT_LUA,
     FORGET_LUA,
     LEASE_LUA,
     RELEASE_LUA,
@@ -47,13 +58,15 @@ from range_connector.backends.valkey.urls import (
     redact_url,
     tls_context,
 )
+from range_connector.config.keys import DEFAULT_DEPLOYMENT
 from range_connector.errors import BackendError, BackendTimeoutError
 
 logger = logging.getLogger("vllm." + __name__)
 
 #: Valkey's default ``proto-max-bulk-len`` (bytes), used when the server does not let us read it.
 DEFAULT_MAX_BULK_BYTES = 512 * 1024 * 1024
-PREFIX = "rc2:"
+#: keys one SCAN step of :meth:`ValkeyBackend.clear` asks for (and one script call removes)
+CLEAR_BATCH_KEYS = 1000
 
 
 class ValkeyBackend(Backend):
@@ -67,6 +80,7 @@ class ValkeyBackend(Backend):
             is then the only bound).
         access: credentials that replace the URL's, and the TLS files (default: the URL's credentials, the
             system's certificate authorities).
+        deployment: the deployment whose keys this instance reads and writes (``rc3:<deployment>:...``).
 
     Attributes:
         url: the server's URL with its credentials redacted (what every message and log line shows).
@@ -81,7 +95,11 @@ class ValkeyBackend(Backend):
     supports_scatter = True
 
     def __init__(self, url: str, timeout_s: float = 5.0, capacity_bytes: int | None = None, *,
-                 access: ValkeyAccess | None = None) -> None:
+                 access: ValkeyAccess | None = None, deployment: str = DEFAULT_DEPLOYMENT) -> None:
+        self.deployment = deployment
+        #: the deployment's key prefix (str for the scripts, bytes for the data path)
+        self.prefix = deployment_key_prefix(deployment)
+        self._p = self.prefix.encode()
         try:
             target = parse_server_url(url)
         except ValueError as exc:
@@ -120,6 +138,9 @@ class ValkeyBackend(Backend):
         self._forget = self._client.register_script(FORGET_LUA)
         self._release = self._client.register_script(RELEASE_LUA)
         self._lease = self._client.register_script(LEASE_LUA)
+        self._commit = self._client.register_script(COMMIT_LUA)
+        self._clear = self._client.register_script(CLEAR_LUA)
+        self._cleared = self._client.register_script(CLEARED_LUA)
         # The bulk data path (stripe values, tickets) goes through our own RESP connection, which reads replies
         # straight into the caller's buffers: measured here 3.6-4.1 GiB/s from one loopback server against about
         # 0.5 GiB/s for valkey-py's parser (which allocates a bytes object per reply that must then be copied).
@@ -202,54 +223,60 @@ class ValkeyBackend(Backend):
         if not keys:
             return []
         if self._resp is not None:
-            return self._resp_run([(b"MGET", *keys)])[0]
-        return self._call(1, lambda: self._client.mget(list(keys)))
+            return self._resp_run([(b"MGET", *[self._p + k for k in keys])])[0]
+        return self._call(1, lambda: self._client.mget([self._p + k for k in keys]))
 
     def write_stripe(self, write: StripeWrite) -> bool:
         self._check_write(write)
-        deadline = time.monotonic() + self.timeout_s  # one deadline for the reservation and the data
+        deadline = time.monotonic() + self.timeout_s  # one deadline for the reservation, the data and the commit
         need = write.nbytes
         sid = write.stripe_id
+        p = self.prefix
+        tickets = [(self._p + k, v) for k, v in write.tickets]
         # Bytes (not bin) for the ticket keys: the eviction script's cmsgpack cannot read msgpack's bin type.
-        manifest = msgpack.packb([need, len(write.layer_values), [k for k, _ in write.tickets]], use_bin_type=False)
+        manifest = msgpack.packb([need, len(write.layer_values), [k for k, _ in tickets], self.deployment],
+                                 use_bin_type=False)
         now = repr(time.time()).encode()
-        budgeted = self.capacity_bytes is not None
-        if budgeted:
-            guard_ms = max(1000, int(2000 * self.timeout_s))
-            ok = self._call(1, lambda: self._reserve(
-                args=[PREFIX, need, self.capacity_bytes, sid, manifest, now, guard_ms]), deadline)
-            if not int(ok):
-                return False
-        views = [_byte_view(v) for v in write.layer_values]
-        # The stripe is registered (manifest, LRU entry, bytes) before its values are sent: a write that fails
-        # half-way leaves a listed stripe that eviction removes, never values that nothing accounts for.
+        guard_ms = max(1000, int(2000 * self.timeout_s))
+        reserve_args = [p, need, -1 if self.capacity_bytes is None else self.capacity_bytes, sid, manifest, now,
+                        guard_ms]
+        # The stripe is registered (manifest, LRU entry, bytes, guard with the reset epoch) before its values are
+        # sent: a write that fails half-way leaves a listed stripe that eviction removes, never values that nothing
+        # accounts for. With a budget the reservation may refuse, so it is a round trip of its own; without one it
+        # cannot, and goes first in the values' round trip.
         commands: list[tuple] = []
-        if not budgeted:  # the reservation script registered it otherwise
-            commands.append((b"SET", f"{PREFIX}m:{sid}".encode(), manifest))
-            commands.append((b"ZADD", f"{PREFIX}lru".encode(), now, sid.encode()))
-            commands.append((b"INCRBY", f"{PREFIX}used".encode(), str(need).encode()))
-        commands += [(b"SET", f"{PREFIX}s:{sid}:{i}".encode(), v) for i, v in enumerate(views)]
-        if write.tickets:  # published after the values: a reader that sees a ticket finds its stripe
-            commands.append((b"MSET", *[x for kv in write.tickets for x in kv]))
-        if budgeted:
-            commands.append((b"DEL", f"{PREFIX}w:{sid}".encode()))
+        if self.capacity_bytes is not None:
+            if not int(self._call(1, lambda: self._reserve(args=reserve_args), deadline)):
+                return False
+        else:
+            commands.append((b"EVAL", RESERVE_LUA.encode(), b"0", *[str(a).encode() if not isinstance(a, bytes)
+                                                                   else a for a in reserve_args]))
+        views = [_byte_view(v) for v in write.layer_values]
+        commands += [(b"SET", f"{p}s:{sid}:{i}".encode(), v) for i, v in enumerate(views)]
+        # The tickets are published after the values (a reader that sees a ticket finds its stripe), by the commit
+        # script, only if no clear came since the reservation.
+        commit_args = [p.encode(), sid.encode(), str(len(views)).encode(), *[x for kv in tickets for x in kv]]
         try:
             if self._resp is not None:
-                self._resp_run(commands, deadline=deadline)
+                commands.append((b"EVAL", COMMIT_LUA.encode(), b"0", *commit_args))
+                committed = self._resp_run(commands, deadline=deadline)[-1]
             else:
-                def fill(p) -> None:
+                def fill(pipe) -> None:
                     for command in commands:
-                        p.execute_command(*command)
+                        pipe.execute_command(*command)
+                    self._commit(args=commit_args, client=pipe)
 
-                self._pipeline(len(commands), fill, deadline)
+                committed = self._pipeline(len(commands) + 1, fill, deadline)[-1]
         except BackendTimeoutError:
             raise  # no time left to clean up: the registered stripe ages out (its guard expires by itself)
         except BackendError:
             try:  # best effort, within what is left of the deadline; otherwise eviction removes it later
-                self._call(1, lambda: self._forget(args=[PREFIX, sid]), deadline)
+                self._call(1, lambda: self._forget(args=[p, sid]), deadline)
             except BackendError:
                 pass
             raise
+        if not int(committed):
+            return False  # the deployment was cleared while the values were on their way: nothing is stored
         self._count(bytes_written=need)
         return True
 
@@ -258,14 +285,14 @@ class ValkeyBackend(Backend):
             return []
         _check_reads(self.url, reads)
         # A read is a use: refresh the LRU score of the stripes read (XX: a stripe that is gone stays gone).
-        touch = [b"ZADD", f"{PREFIX}lru".encode(), b"XX"]
+        touch = [b"ZADD", f"{self.prefix}lru".encode(), b"XX"]
         now = repr(time.time()).encode()
         for sid in dict.fromkeys(r.stripe_id for r in reads):
             touch += [now, sid.encode()]
         if self._resp is not None:
             commands = []
             for r in reads:
-                key = f"{PREFIX}s:{r.stripe_id}:{r.layer_idx}".encode()
+                key = f"{self.prefix}s:{r.stripe_id}:{r.layer_idx}".encode()
                 if r.offset == 0 and r.length == r.value_bytes:
                     commands.append((b"GET", key))
                 else:
@@ -285,7 +312,7 @@ class ValkeyBackend(Backend):
 
         def fill(p) -> None:
             for r in reads:
-                key = f"{PREFIX}s:{r.stripe_id}:{r.layer_idx}"
+                key = f"{self.prefix}s:{r.stripe_id}:{r.layer_idx}"
                 if r.offset == 0 and r.length == r.value_bytes:
                     p.get(key)
                 else:
@@ -316,27 +343,46 @@ class ValkeyBackend(Backend):
         if not stripe_ids:
             return token
         ttl_ms = max(1, int(ttl_s * 1000))
-        keys = [f"{PREFIX}l:{sid}" for sid in stripe_ids]
-        args = [token, ttl_ms, f"{PREFIX}lru", time.time(), *stripe_ids]
+        keys = [f"{self.prefix}l:{sid}" for sid in stripe_ids]
+        args = [token, ttl_ms, f"{self.prefix}lru", time.time(), *stripe_ids]
         self._call(1, lambda: self._lease(keys=keys, args=args))
         return token
 
     def release(self, stripe_ids: Sequence[str], token: str | None = None) -> None:
         if stripe_ids:
-            self._call(1, lambda: self._release(keys=[f"{PREFIX}l:{sid}" for sid in stripe_ids], args=[token or ""]))
+            keys = [f"{self.prefix}l:{sid}" for sid in stripe_ids]
+            self._call(1, lambda: self._release(keys=keys, args=[token or ""]))
 
     def delete_tickets(self, keys: Sequence[bytes]) -> None:
         if keys:
-            self._call(1, lambda: self._client.delete(*keys))
+            self._call(1, lambda: self._client.delete(*[self._p + k for k in keys]))
 
     def drop_stripes(self, stripe_ids: Sequence[str]) -> None:
         if stripe_ids:
             # The eviction script's own drop, once per stripe, in one pipeline (values, manifest, tickets, bytes).
             self._pipeline(len(stripe_ids),
-                           lambda p: [self._forget(args=[PREFIX, sid], client=p) for sid in stripe_ids])
+                           lambda p: [self._forget(args=[self.prefix, sid], client=p) for sid in stripe_ids])
 
     def used_bytes(self) -> int:
-        return int(self._call(1, lambda: self._client.get(f"{PREFIX}used")) or 0)
+        return int(self._call(1, lambda: self._client.get(f"{self.prefix}used")) or 0)
+
+    def clear(self) -> None:
+        """Remove every key of this deployment (see :meth:`Backend.clear`): first ``epoch`` goes up, so that
+        writes reserved before it refuse to commit, then SCAN steps of :data:`CLEAR_BATCH_KEYS` keys, each removed by
+        one script call (a stripe with its values, tickets and bytes), each round trip within ``timeout_s``; other
+        deployments' keys are never matched (names cannot hold glob characters)."""
+        p = self.prefix
+        self._call(1, lambda: self._client.incr(f"{p}epoch"))
+        cursor = 0
+        while True:
+            cursor, keys = self._call(1, lambda c=cursor: self._client.scan(c, match=f"{p}*", count=CLEAR_BATCH_KEYS))
+            if keys:
+                self._call(1, lambda ks=keys: self._clear(keys=ks, args=[p]))
+            if int(cursor) == 0:
+                break
+        left = int(self._call(1, lambda: self._cleared(args=[p])))
+        if left:
+            logger.info("%s: deployment %s cleared; %d bytes written since are kept", self.url, self.deployment, left)
 
     def ping(self) -> None:
         self._call(1, self._client.ping)

@@ -1,10 +1,12 @@
 """The Lua scripts that the Valkey tier runs inside the server, each call one atomic step.
 
-``RESERVE_LUA`` (evict least-recently-used unleased stripes, then register a new one) and ``FORGET_LUA`` (drop one
-stripe) take the key prefix as ``ARGV[1]``; ``LEASE_LUA`` and ``RELEASE_LUA`` take the lease keys in ``KEYS``. The
-keys are those :mod:`range_connector.backends.valkey.client` lays out: ``s:<stripe>:<layer>`` values, ``m:<stripe>``
-manifests (msgpack ``[bytes, layers, ticket keys]``), tickets, ``w:<stripe>`` write guards, ``lru``, ``used`` and
-``l:<stripe>`` leases.
+``RESERVE_LUA`` (evict least-recently-used unleased stripes, then register a new one), ``COMMIT_LUA`` (publish a
+registered stripe's tickets, or refuse), ``FORGET_LUA`` (drop one stripe), ``CLEAR_LUA`` (remove a batch of a
+deployment's keys) and ``CLEARED_LUA`` take the deployment's key prefix as ``ARGV[1]``; ``LEASE_LUA`` and
+``RELEASE_LUA`` take the lease keys in ``KEYS``. The keys are those :mod:`range_connector.backends.valkey.client`
+lays out: ``s:<stripe>:<layer>`` values, ``m:<stripe>`` manifests (msgpack ``[bytes, layers, ticket keys,
+deployment]``), tickets, ``w:<stripe>`` write guards (holding the reset epoch the write began in), ``lru``, ``used``,
+``epoch`` (how many times the deployment was cleared) and ``l:<stripe>`` leases.
 """
 
 from __future__ import annotations
@@ -63,16 +65,18 @@ end
 # hold no lease and are not being written, with the tickets that still point at them. Then register the stripe in
 # the same atomic step (manifest ARGV[5], LRU score ARGV[6], its bytes, and a write guard for ARGV[7] ms that keeps
 # it from being evicted before its values land), so that ``used`` always equals the bytes of the listed stripes,
-# whatever happens to the write afterwards. Returns 1, or 0 if there is no room.
+# whatever happens to the write afterwards. The guard holds the deployment's reset epoch at this moment, so that
+# COMMIT_LUA can tell a clear that came in between. A budget below 0 is no budget. Returns 1, or 0 if there is no
+# room.
 RESERVE_LUA = _DROP_LUA + _LEASED_LUA + """
 local p, sid = ARGV[1], ARGV[4]
 local now = now_ms()
 local need = tonumber(ARGV[2])
 local budget = tonumber(ARGV[3])
-if need > budget then return 0 end
+if budget >= 0 and need > budget then return 0 end
 local used = tonumber(server.call('GET', p .. 'used') or '0')
 local idx = 0
-while used + need > budget do
+while budget >= 0 and used + need > budget do
   local members = server.call('ZRANGE', p .. 'lru', idx, idx)
   if #members == 0 then return 0 end
   local victim = members[1]
@@ -85,8 +89,59 @@ end
 server.call('SET', p .. 'm:' .. sid, ARGV[5])
 server.call('ZADD', p .. 'lru', ARGV[6], sid)
 server.call('INCRBY', p .. 'used', need)
-server.call('SET', p .. 'w:' .. sid, '1', 'PX', ARGV[7])
+server.call('SET', p .. 'w:' .. sid, server.call('GET', p .. 'epoch') or '0', 'PX', ARGV[7])
 return 1
+"""
+
+# Publish the tickets ARGV[4..] (key, value, key, value, ...) of the stripe ARGV[2] of ARGV[3] layers, whose values
+# were just sent, if it is still registered in the reset epoch it was reserved in; otherwise (a clear came in
+# between, or the guard expired) remove whatever of it exists. Returns 1 if published, else 0.
+COMMIT_LUA = _DROP_LUA + """
+local p, sid = ARGV[1], ARGV[2]
+local guard = server.call('GET', p .. 'w:' .. sid)
+local epoch = server.call('GET', p .. 'epoch') or '0'
+if guard == epoch and server.call('EXISTS', p .. 'm:' .. sid) == 1 then
+  for i = 4, #ARGV, 1000 do server.call('MSET', unpack(ARGV, i, math.min(i + 999, #ARGV))) end
+  server.call('DEL', p .. 'w:' .. sid)
+  return 1
+end
+drop(p, sid)
+for l = 0, tonumber(ARGV[3]) - 1 do server.call('DEL', p .. 's:' .. sid .. ':' .. l) end
+return 0
+"""
+
+# Remove the keys in KEYS (one SCAN batch of the deployment ARGV[1]): the stripe of a manifest, a layer value or a
+# write guard goes whole, with its values, tickets and bytes (so ``used`` and ``lru`` stay exact, and a write whose
+# keys the scan met cannot commit afterwards); every other key but ``epoch``, ``used`` and ``lru`` is deleted.
+# Returns the number of keys given.
+CLEAR_LUA = _DROP_LUA + """
+local p = ARGV[1]
+local keep = {[p .. 'epoch'] = true, [p .. 'used'] = true, [p .. 'lru'] = true}
+local mp, sp, wp = p .. 'm:', p .. 's:', p .. 'w:'
+for _, k in ipairs(KEYS) do
+  local sid = nil
+  if string.sub(k, 1, #mp) == mp or string.sub(k, 1, #wp) == wp then
+    sid = string.sub(k, #mp + 1)
+  elseif string.sub(k, 1, #sp) == sp then
+    sid = string.match(string.sub(k, #sp + 1), '^([^:]+):')
+  end
+  if sid then drop(p, sid) end
+  if not keep[k] then
+    server.call('DEL', k)
+  end
+end
+return #KEYS
+"""
+
+# After the last batch: stripes still listed in ``lru`` whose manifest is gone are forgotten, and with no stripe
+# left ``used`` goes. Returns the bytes still accounted (0 for a deployment that nobody wrote to meanwhile).
+CLEARED_LUA = _DROP_LUA + """
+local p = ARGV[1]
+for _, sid in ipairs(server.call('ZRANGE', p .. 'lru', 0, -1)) do
+  if server.call('EXISTS', p .. 'm:' .. sid) == 0 then server.call('ZREM', p .. 'lru', sid) end
+end
+if server.call('ZCARD', p .. 'lru') == 0 then server.call('DEL', p .. 'used', p .. 'lru') end
+return tonumber(server.call('GET', p .. 'used') or '0')
 """
 
 # Forget the stripe ARGV[2] (a write that failed half-way).
