@@ -75,7 +75,7 @@ def test_ten_thousand_calls_keep_threads_bounded_and_close_ends_them(dedicated_v
                     other = make_stripe(i, row_bytes=16)
                     assert backend.write_stripe(other.write)
                     backend.drop_stripes([other.sid])
-        except BaseException as exc:  # reported by the test thread
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
             errors.append(exc)
 
     sampler = threading.Thread(target=sample)
@@ -282,5 +282,5 @@ def test_a_timed_out_call_drops_its_own_connection_and_the_savers_write_complete
 def _outcome(fn: Callable, *args: object) -> object:
     try:
         return fn(*args)
-    except Exception as exc:  # the test compares the outcome with the expected result
+    except Exception as exc:  # noqa: BLE001 - the test compares the outcome with the expected result
         return exc

@@ -28,10 +28,21 @@ import msgpack
 import valkey
 import valkey.exceptions as vex
 
-from range_connector.backends.base import Backend, Buffer, RangeRead, ScatterDest, StripeWrite
+from range_connector.backends.base import (
+    Backend,
+    Buffer,
+    RangeRead,
+    ScatterDest,
+    StripeWrite,
+)
 from range_connector.backends.valkey.pool import RespPool
 from range_connector.backends.valkey.resp import RespReplyTooLargeError
-from range_connector.backends.valkey.scripts import FORGET_LUA, LEASE_LUA, RELEASE_LUA, RESERVE_LUA
+from range_connector.backends.valkey.scripts import (
+    FORGET_LUA,
+    LEASE_LUA,
+    RELEASE_LUA,
+    RESERVE_LUA,
+)
 from range_connector.errors import BackendError, BackendTimeoutError
 
 logger = logging.getLogger("vllm." + __name__)
@@ -48,7 +59,7 @@ class _CallRecord:
     """The valkey-py connections one call holds right now (added and removed by its executor thread, in
     :class:`_CallPool`), and whether its caller gave up on it."""
 
-    __slots__ = ("lock", "conns", "aborted")
+    __slots__ = ("aborted", "conns", "lock")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
