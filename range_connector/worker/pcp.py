@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,17 +119,31 @@ def exchange_shares(loads: Sequence[Any], failed_from: Mapping[str, int],
 def range_group(base: Any, timeout_s: float) -> Any:
     """A new gloo process group of Range's own over the ranks of ``base`` (the same ranks, in the same order).
 
-    Only those ranks take part in creating it, and each of them must call this with the same ``base``, in the same
-    order as its other such calls (the group's name follows from its ranks and from how many groups of those ranks
-    this process created before). Needs ``torch.distributed`` initialized (vLLM's workers are).
+    Only those ranks take part in creating it (a rendezvous in the default group's store, under a name of Range's),
+    and each of them must call this with the same ``base``, in the same order as its other such calls (the name
+    counts the groups over those ranks this process made before). Needs ``torch.distributed`` initialized (vLLM's
+    workers are). The group is not registered with ``torch.distributed``: use ``group.rank()`` and ``group.size()``.
 
     Args:
         base: a process group this rank belongs to (vLLM's PCP or DCP ``cpu_group``).
-        timeout_s: how long any collective of the group may take, seconds (gloo gives up after it).
+        timeout_s: how long any collective of the group may take, seconds (gloo gives up after it); creating it
+            waits as long for the other ranks.
+
+    Raises:
+        RuntimeError: the other ranks did not join within ``timeout_s``.
     """
-    ranks = dist.get_process_group_ranks(base)
-    return dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend="gloo",
-                          use_local_synchronization=True, group_desc="range_pcp")
+    from torch.distributed.distributed_c10d import _get_default_store  # (no public accessor of it)
+
+    ranks = tuple(dist.get_process_group_ranks(base))
+    with _GROUPS_LOCK:
+        made = _GROUPS_MADE.get(ranks, 0)
+        _GROUPS_MADE[ranks] = made + 1
+    store = dist.PrefixStore(f"range_pcp/{'_'.join(map(str, ranks))}/{made}/", _get_default_store())
+    return dist.ProcessGroupGloo(store, dist.get_rank(base), len(ranks), timedelta(seconds=timeout_s))
+
+
+_GROUPS_MADE: dict[tuple[int, ...], int] = {}  # global ranks -> groups of Range's over them made in this process
+_GROUPS_LOCK = threading.Lock()
 
 
 def _wait(work: Any, timeout_s: float, what: str) -> None:

@@ -232,7 +232,7 @@ def test_a_rank_with_nothing_locally_issues_every_collective_and_every_rank_agre
     import valkey
 
     urls = list(valkey_server_sets(4).urls)
-    prompt = prompt_tokens(3 * CHUNK + 5, seed=5000)
+    prompt = prompt_tokens(3 * CHUNK + 5, seed=5100)
     a, _, _ = produce(pool, 4, urls, prompt, "empty-rank")
     b = PcpEngine(pool, "B-empty-rank", 4, urls, seed=2)
     assert b.sched.admit(FakeRequest("e", prompt)) == 3 * CHUNK
