@@ -132,7 +132,9 @@ def range_group(base: Any, timeout_s: float) -> Any:
     Raises:
         RuntimeError: the other ranks did not join within ``timeout_s``.
     """
-    from torch.distributed.distributed_c10d import _get_default_store  # (no public accessor of it)
+    from torch.distributed.distributed_c10d import (
+        _get_default_store,  # (no public accessor of it)
+    )
 
     ranks = tuple(dist.get_process_group_ranks(base))
     with _GROUPS_LOCK:
