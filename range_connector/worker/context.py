@@ -22,6 +22,7 @@ from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
 from range_connector.kv.tickets import MAX_LAYER_BYTES, Ticket
 from range_connector.worker.banks import BankPool, BankReader
+from range_connector.worker.counters import Counters
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +40,7 @@ class LoadContext:
         reader: the thread that fills banks (and direct receives) in order.
         verifier: the thread that checks lent stripes' checksums.
         shard_readers: reads the shards of one layer group in parallel (one server each).
-        stats: the worker's counters (shared, mutated by jobs).
+        stats: the worker's counters (shared, added to by jobs on several threads: :meth:`Counters.add`).
         layer_events: CUDA only: ``layer_name -> event`` of a pipelined copy (shared, filled by jobs).
         drop: forgets a chunk whose bytes proved bad or gone on a shard: ``drop(chunk_hash, shard_idx)``.
         copy_stream: CUDA only: the stream that copies banks into the KV cache.
@@ -56,7 +57,7 @@ class LoadContext:
     reader: BankReader
     verifier: ThreadPoolExecutor
     shard_readers: ThreadPoolExecutor
-    stats: MutableMapping[str, int]
+    stats: Counters
     layer_events: MutableMapping[str, object]
     drop: Callable[[ChunkHash, int], None]
     copy_stream: object | None = None

@@ -13,8 +13,8 @@ The number of round trips, reads and copies follows shards, stripes, layers and 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -31,6 +31,7 @@ from range_connector.kv.sharding import ShardPlan
 from range_connector.kv.tickets import Ticket, head_keys, key_chunk_hash, ticket_key
 from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
+from range_connector.worker.counters import Counters
 from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
 from range_connector.worker.probes import probe_chunk
 from range_connector.worker.reassembly import has_pieces, reassemble
@@ -107,7 +108,8 @@ class RangeWorker:
         #: per finished load job: mode and per-layer timestamps (ready, delivered, waited for by attention)
         self.load_timelines: list[dict] = []
         self._failed_block_ids: set[int] = set()
-        self._dropped: list[ChunkHash] = []
+        self._dropped: list[ChunkHash] = []  # appended by load jobs on the step and asynchronous-load threads
+        self._dropped_lock = threading.Lock()
         self._loaded_reqs: list[str] = []
         #: req_id -> ``(step, chunk_idx)`` of each load of it that failed here: a save planned before the scheduler
         #: learnt of a failure (RequestTransfer.failures_learnt_through) skips the chunks from the failed one on
@@ -123,7 +125,7 @@ class RangeWorker:
         self.loaded_block_log: list[int] = []
         #: ``(shard_idx, ticket key)`` of the chunks that step read.
         self.last_loaded_tickets: list[tuple[int, bytes]] = []
-        self.stats: dict[str, int] = defaultdict(int)
+        self.stats = Counters()
         #: writes this worker's saves (:mod:`range_connector.worker.saves`)
         self.saver = StripeSaver(config, self.plan, backends, self.shard_idxs, self.stats, head_slice=head_slice,
                                  ticket_group=ticket_group)
@@ -204,7 +206,7 @@ class RangeWorker:
         if not all(self.load_context.ticket_fits(t) for t in tickets):
             return
         timing = probe_chunk(self.backends, tickets, self.shard_readers)
-        self.stats["probes"] += 1
+        self.stats.add("probes")
         if timing is not None:
             self._probe_timings.append(timing)  # (list.append is atomic; drained by build_worker_meta)
 
@@ -235,9 +237,7 @@ class RangeWorker:
         except Exception:  # reported as a failed load, never raised into the engine
             logger.exception("Range asynchronous load failed")
             job.cancel()
-            for req in job.reqs:
-                if req.chunks:
-                    job.failed_from[req.req_id] = req.chunks[0].chunk_idx
+            job.fail_all()
 
     def _finish_step_job(self) -> None:
         """Settle the step's pipelined/synchronous job after the forward (idempotent within a step).
@@ -251,20 +251,18 @@ class RangeWorker:
         if job.mode == PIPELINED and job.segments and not job.closed:
             unwaited = [i for i, t in enumerate(job.layer_delivered_s) if t is None]
             if unwaited:
-                self.stats["layers_read_before_load"] += len(unwaited)
+                self.stats.add("layers_read_before_load", len(unwaited))
                 if not self._warned_unwaited:
                     self._warned_unwaited = True
                     logger.warning("Range: attention read %d layer(s) before their pipelined load landed "
                                    "(wait_for_layer_load not called); those loads are recomputed", len(unwaited))
                 job.cancel()
-                for req in job.reqs:
-                    if req.chunks:
-                        job.failed_from[req.req_id] = req.chunks[0].chunk_idx
+                job.fail_all()
         job.finish()
         self._record_job(job)
 
     def _record_job(self, job: LoadJob) -> None:
-        self._finish_load(job.reqs, job.failed_from, job.done)
+        self._finish_load(job.reqs, dict(job.failed_from), job.done)  # (a copy: an overrunning thread may still add)
         ready = [t for t in job.layer_ready_s if t is not None]
         num_blocks = sum(len(dst) for _h, _s, dst in job.done)
         req_ids = tuple(r.req_id for r in job.reqs)
@@ -306,7 +304,7 @@ class RangeWorker:
         for req_id, (job, fut) in list(self._async_jobs.items()):
             if req_id in finished_req_ids and not fut.done():
                 job.cancel()  # aborted: stop writing into blocks vLLM is about to free
-                self.stats["loads_aborted"] += 1
+                self.stats.add("loads_aborted")
                 self._loaded_reqs.append(req_id)
             elif fut.done():
                 job.finish()
@@ -314,10 +312,8 @@ class RangeWorker:
             elif now > job.deadline + self.config.tier.timeout_s:
                 job.cancel()  # the delivery thread overran its deadline: nothing more is written
                 job.deadline_missed = True
-                self.stats["load_deadline_misses"] += 1
-                for req in job.reqs:
-                    if req.chunks:
-                        job.failed_from[req.req_id] = req.chunks[0].chunk_idx
+                self.stats.add("load_deadline_misses")
+                job.fail_all()
                 job.finished = True
                 self._record_job(job)
             else:
@@ -346,8 +342,8 @@ class RangeWorker:
         for req in reqs:
             if req.req_id in failed_from:
                 self._fail_from(req, failed_from[req.req_id])
-        self.stats["loaded_blocks"] += loaded  # tokens are counted once per engine, by the scheduler (LoadTally)
-        self.stats["loaded_bytes"] += loaded * layout.block_bytes
+        self.stats.add("loaded_blocks", loaded)  # tokens are counted once per engine, by the scheduler (LoadTally)
+        self.stats.add("loaded_bytes", loaded * layout.block_bytes)
 
     def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
         """``[num_blocks, row]`` view of one plane of one layer of the KV cache (after ``register_kv_caches``)."""
@@ -355,7 +351,8 @@ class RangeWorker:
 
     def drop(self, chunk_hash: ChunkHash, shard_idx: int) -> None:
         """Forget a chunk whose bytes proved bad or gone, so that it is not offered again."""
-        self._dropped.append(chunk_hash)
+        with self._dropped_lock:
+            self._dropped.append(chunk_hash)
         try:
             self.backends[shard_idx].delete_tickets(head_keys(chunk_hash, self.shard_idxs[shard_idx],
                                                               self.head_slice.heads))
@@ -368,7 +365,7 @@ class RangeWorker:
         self._failures.setdefault(req.req_id, []).append((self.step_idx, chunk_idx))
         self._failed_blocks_at.update((b, self.step_idx) for b in failed)
         self._failed_loads.append((req.req_id, chunk_idx))
-        self.stats["failed_blocks"] += len(failed)
+        self.stats.add("failed_blocks", len(failed))
 
     def take_loaded_block_log(self) -> list[int]:
         """Return and forget the block ids loaded since the last call (chain order within each step)."""
@@ -420,7 +417,7 @@ class RangeWorker:
                 if bad_blocks and failed_from is None and not bad_blocks.isdisjoint(c.block_ids):
                     failed_from = c.chunk_idx
                 if failed_from is not None and c.chunk_idx >= failed_from:
-                    self.stats["saves_dropped_after_failed_load"] += 1
+                    self.stats.add("saves_dropped_after_failed_load")
                     dropped.append(owner)
                     continue
                 chunks.append((c.chunk_hash, c.block_ids))
@@ -438,7 +435,8 @@ class RangeWorker:
     def build_worker_meta(self) -> RangeWorkerMetadata | None:
         """Saves completed (and the outcomes of confirmed ones), loads finished, and chunks dropped since the last
         call; ``None`` when there is nothing to report."""
-        dropped = list(self._dropped)
+        with self._dropped_lock:
+            dropped, self._dropped = self._dropped, []
         for b in {id(b): b for b in self.backends}.values():
             take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
             if take_evicted is not None:
@@ -452,7 +450,7 @@ class RangeWorker:
                                    failed_loads=self._failed_loads,
                                    loaded=self._loaded_reqs, load_timings=self._load_timings,
                                    probe_timings=probe_timings, save_results=self.saver.take_results())
-        self._dropped, self._failed_loads, self._loaded_reqs = [], [], []
+        self._failed_loads, self._loaded_reqs = [], []
         self._load_timings = []
         return meta
 

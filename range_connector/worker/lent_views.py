@@ -103,7 +103,7 @@ class LentViews:
                 lent = w.backends[s].view_stripes([seg.ticket.stripe_id for seg in segs])
             except (BackendError, ValueError) as exc:  # transient: the chunks fail, their tickets stay
                 logger.warning("Range load from shard %d: %s", s, exc)
-                w.stats["load_backend_errors"] += 1
+                w.stats.add("load_backend_errors")
                 job.reads.errored.update((s, seg.ticket.stripe_id) for seg in segs)
                 continue
             for seg, layers in zip(segs, lent):
@@ -129,7 +129,7 @@ class LentViews:
                 if verify and not all(self.pending_whole.get((s, t.stripe_id)) is not None
                                       or self.sources[(s, t.stripe_id)].check_chunk(t)
                                       for s, t in enumerate(chunk.tickets)):
-                    w.stats["load_integrity_errors"] += 1
+                    w.stats.add("load_integrity_errors")
                     self.drop_bad(req, chunk)
                     continue
                 dst_ids = []
@@ -169,7 +169,7 @@ class LentViews:
                 for layer_idx in job.groups[g]:
                     for p in range(job.num_planes):
                         job._copy(layer_idx, p, dst, source.tensors[layer_idx][p], src)
-                job.w.stats["copy_launches"] += len(job.groups[g]) * job.num_planes
+                job.w.stats.add("copy_launches", len(job.groups[g]) * job.num_planes)
 
     def settle(self) -> None:
         """At the end of the job: chunks of stripes whose whole-stripe check failed are checked alone, and the bad
@@ -179,5 +179,5 @@ class LentViews:
         for req, chunk, _dst in job._plan:
             if job._alive(req, chunk) and any((s, t.stripe_id) in bad and not self.sources[(s, t.stripe_id)]
                                               .check_chunk(t) for s, t in enumerate(chunk.tickets)):
-                job.w.stats["load_integrity_errors"] += 1
+                job.w.stats.add("load_integrity_errors")
                 self.drop_bad(req, chunk)

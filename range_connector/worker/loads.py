@@ -89,6 +89,7 @@ class LoadJob:
         self.deadline_missed = False
         self.started_s = time.monotonic()
         self.failed_from: dict[str, int] = {}
+        self._fail_lock = threading.Lock()  # failures come from the delivering thread and from the step thread
         self.num_layers = len(context.layer_names)
         self.num_planes, self.row_bytes = layout.num_planes, layout.row_bytes
         self.layer_ready_s: list[float | None] = [None] * self.num_layers
@@ -111,7 +112,14 @@ class LoadJob:
 
     # ------------------------------------------------------------------ set-up
     def _fail(self, req_id: str, chunk_idx: int) -> None:
-        self.failed_from[req_id] = min(self.failed_from.get(req_id, chunk_idx), chunk_idx)
+        with self._fail_lock:  # (a read, a min and a write: two threads must not interleave them)
+            self.failed_from[req_id] = min(self.failed_from.get(req_id, chunk_idx), chunk_idx)
+
+    def fail_all(self) -> None:
+        """Every request of the job fails from its first chunk (safe while another thread still delivers)."""
+        for req in self.reqs:
+            if req.chunks:
+                self._fail(req.req_id, req.chunks[0].chunk_idx)
 
     def _alive(self, req: RequestTransfer, chunk: ChunkTransfer) -> bool:
         return chunk.chunk_idx < self.failed_from.get(req.req_id, _NEVER)
@@ -292,12 +300,10 @@ class LoadJob:
         """Layers from group ``g`` on will not be delivered: every chunk of the job fails."""
         logger.warning("Range load: layers %d-%d not delivered (%s)", self.groups[g].start,
                        self.groups[-1].stop - 1, why)
-        self.w.stats["load_deadline_misses"] += 1
+        self.w.stats.add("load_deadline_misses")
         self.deadline_missed = True
         self.cancel()
-        for req in self.reqs:
-            if req.chunks:
-                self._fail(req.req_id, req.chunks[0].chunk_idx)
+        self.fail_all()
 
     def _deliver_bank_group(self, g: int) -> None:
         w = self.w
@@ -336,7 +342,7 @@ class LoadJob:
                             region = buf[start:start + self.region_bytes].view(w.layout.row_dtype).view(
                                 self.rows_per_region, -1)
                             self._copy(layer_idx, p, dst, region, src)
-                w.stats["copy_launches"] += len(group) * self.num_planes
+                w.stats.add("copy_launches", len(group) * self.num_planes)
             else:  # nothing left to load: stop reading the remaining layer groups
                 self.cancel()
         finally:

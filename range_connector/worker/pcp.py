@@ -19,10 +19,16 @@ included):
 4. ``get_block_ids_with_load_errors``: :meth:`PcpExchange.failed_block_ids`; ``wait_for_save`` saves
    :meth:`PcpExchange.without_failed_saves` (nothing computed on top of a failed load is saved, on any rank).
 
-Every collective waits at most its timeout (gloo ``Work.wait(timeout)``): a rank that died or stopped costs the
-others one timeout, never a hang. After a failed collective the group is *broken*: this rank reports every block of
-the step as failed and fails later loads without collectives until :meth:`PcpExchange.regroup` installs a fresh
-group. Under DCP (:attr:`ShardPlan.needs_exchange` false) ranks hold different token slices, so step 2 runs and
+The collectives run on a gloo group of Range's own (:func:`range_group`), created once by the ranks of the group
+the engine hands over (vLLM's PCP or DCP group, whose members it only borrows) with Range's timeout, so that no
+collective of Range's can be mistaken for, or block, one of vLLM's. Whether a collective is issued depends only on
+the step's metadata and on the group being healthy, never on what this rank found locally: a rank with nothing to
+load (no tickets of its shards, every read failed, an exception in its own load) still issues every collective,
+with empty shares. Every collective waits at most its timeout (gloo ``Work.wait(timeout)``): a rank that died or
+stopped costs the others one timeout, never a hang. After a failed collective the group is *broken* on this rank
+(logged once, with the reason): it reports every block of the step as failed, and later loads fail without
+collectives (the others, whose next collective it skips, time out once and break too: from then on every rank
+recomputes, with no collective) until :meth:`PcpExchange.regroup` creates a fresh group on every rank. Under DCP (:attr:`ShardPlan.needs_exchange` false) ranks hold different token slices, so step 2 runs and
 step 3 does nothing.
 
 Mirrors vLLM 0.32: ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` L77-104 (bind, ``start_load_kv``,
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -109,6 +116,38 @@ def exchange_shares(loads: Sequence[Any], failed_from: Mapping[str, int],
 
 
 # -------------------------------------------------------------------------------------------------- collectives
+def range_group(base: Any, timeout_s: float) -> Any:
+    """A new gloo process group of Range's own over the ranks of ``base`` (the same ranks, in the same order).
+
+    Only those ranks take part in creating it (a rendezvous in the default group's store, under a name of Range's),
+    and each of them must call this with the same ``base``, in the same order as its other such calls (the name
+    counts the groups over those ranks this process made before). Needs ``torch.distributed`` initialized (vLLM's
+    workers are). The group is not registered with ``torch.distributed``: use ``group.rank()`` and ``group.size()``.
+
+    Args:
+        base: a process group this rank belongs to (vLLM's PCP or DCP ``cpu_group``).
+        timeout_s: how long any collective of the group may take, seconds (gloo gives up after it); creating it
+            waits as long for the other ranks.
+
+    Raises:
+        RuntimeError: the other ranks did not join within ``timeout_s``.
+    """
+    from torch.distributed.distributed_c10d import (
+        _get_default_store,  # (no public accessor of it)
+    )
+
+    ranks = tuple(dist.get_process_group_ranks(base))
+    with _GROUPS_LOCK:
+        made = _GROUPS_MADE.get(ranks, 0)
+        _GROUPS_MADE[ranks] = made + 1
+    store = dist.PrefixStore(f"range_pcp/{'_'.join(map(str, ranks))}/{made}/", _get_default_store())
+    return dist.ProcessGroupGloo(store, dist.get_rank(base), len(ranks), timedelta(seconds=timeout_s))
+
+
+_GROUPS_MADE: dict[tuple[int, ...], int] = {}  # global ranks -> groups of Range's over them made in this process
+_GROUPS_LOCK = threading.Lock()
+
+
 def _wait(work: Any, timeout_s: float, what: str) -> None:
     try:
         work.wait(timeout=timedelta(seconds=max(0.001, timeout_s)))
@@ -195,20 +234,30 @@ class PcpExchange:
     Args:
         plan: the global shard plan.
         rank: this rank's index in ``group`` (its PCP rank, or DCP rank under DCP).
-        group: a ``torch.distributed`` process group of ``plan.num_writers`` ranks.
+        group: a ``torch.distributed`` process group of ``plan.num_writers`` ranks; the collectives run on a group
+            of Range's own over the same ranks (:func:`range_group`, created here: every rank of ``group`` must
+            build its exchange).
         timeout_s: the most any collective waits, seconds (the agreement may be given longer: see :meth:`agree`).
+        group_timeout_s: the timeout of Range's group (at least the longest wait given to :meth:`agree`);
+            default ``timeout_s``.
+
+    Attributes:
+        group: Range's own process group.
+        broken: a collective failed: no more collectives until :meth:`regroup`.
 
     Raises:
         ValueError: the group's size or this rank does not match the plan.
     """
 
-    def __init__(self, plan: ShardPlan, rank: int, group: Any, timeout_s: float) -> None:
+    def __init__(self, plan: ShardPlan, rank: int, group: Any, timeout_s: float,
+                 group_timeout_s: float | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.plan, self.rank, self.timeout_s = plan, rank, timeout_s
+        self.group_timeout_s = max(timeout_s, group_timeout_s or 0.0)
         self.broken = False
-        self.group = group
         self._check_group(group)
+        self.group = range_group(group, self.group_timeout_s)
         self._loads: Sequence[Any] = ()
         self._agreement: LoadAgreement | None = None
         self._step_failed = False  # a collective failed after the agreement: every block of the step is suspect
@@ -220,9 +269,11 @@ class PcpExchange:
                              f"{self.plan.num_writers} writers (rank {self.rank})")
 
     def regroup(self, group: Any) -> None:
-        """Use a fresh process group after a failed collective (every rank must call it)."""
+        """Create a fresh group of Range's own over the ranks of ``group`` after a failed collective (every rank of
+        ``group`` must call it; collectives resume)."""
         self._check_group(group)
-        self.group, self.broken = group, False
+        self.group, self.broken = range_group(group, self.group_timeout_s), False
+        logger.info("Range PCP rank %d: a fresh process group; collectives resume", self.rank)
 
     # ---------------------------------------------------------------- step 2
     def agree(self, loads: Sequence[Any], local_failed_block_ids: Iterable[int],
@@ -255,7 +306,8 @@ class PcpExchange:
                                           wait_s, "failure agreement")
                     agreed = {r.req_id: m for r, m in zip(self._loads, mins) if m != NO_FAILURE}
             except CollectiveError as exc:
-                logger.error("Range PCP rank %d: %s; the group is broken, loads fail until regroup", self.rank, exc)
+                logger.error("Range PCP rank %d: %s; the group is broken: collectives are off and every load is "
+                             "recomputed until a fresh group is created (regroup)", self.rank, exc)
                 self.broken = True
         consistent = agreed is not None or not self._loads
         if agreed is None:

@@ -12,6 +12,7 @@ worker path is unchanged).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +25,8 @@ from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetad
 from range_connector.kv.sharding import RankSlice, ShardPlan
 from range_connector.worker.facade import RangeWorker
 from range_connector.worker.pcp import LoadAgreement, PcpExchange
+
+logger = logging.getLogger("vllm." + __name__)
 
 
 def rank_view_config(view: RankSlice, config: RangeConfig, block_size: int) -> RangeConfig:
@@ -42,7 +45,9 @@ class PcpWorkerRouter:
         config: the resolved deployment config (all ``num_shards`` shards; ``chunk_tokens`` set).
         plan: the deployment's shard plan (``plan.num_writers`` > 1 in the product; 1 works too).
         rank: this rank's index among the writers (PCP rank, or DCP rank under DCP).
-        group: the writers' ``torch.distributed`` process group (gloo on CPU: vLLM's ``cpu_group``).
+        group: the writers' ``torch.distributed`` process group (vLLM's ``cpu_group``): the collectives run on a
+            gloo group of Range's own over its ranks, created here (:func:`range_connector.worker.pcp.range_group`,
+            timeout: ``load_deadline_s`` plus ``collective_timeout_s``).
         block_size: tokens per physical engine block.
         layer_names: attention layers, in model order.
         num_blocks: blocks per layer tensor.
@@ -60,6 +65,7 @@ class PcpWorkerRouter:
     def __init__(self, config: RangeConfig, plan: ShardPlan, rank: int, group: Any, block_size: int,
                  layer_names: tuple[str, ...], num_blocks: int, backends: list[Backend], *, tp_rank: int = 0,
                  collective_timeout_s: float | None = None, **heads: Any) -> None:
+        self.rank = rank
         self.slice = RankSlice(plan, rank)
         if len(backends) != len(self.slice.shard_idxs):
             raise ValueError(f"rank {rank} serves shards {self.slice.shard_idxs}, got {len(backends)} backends")
@@ -68,8 +74,9 @@ class PcpWorkerRouter:
         self.worker = RangeWorker(rank_config, block_size, layer_names, num_blocks, backends, tp_rank=tp_rank,
                                   shard_idxs=self.slice.shard_idxs, **heads)
         self.collective_timeout_s = config.tier.timeout_s if collective_timeout_s is None else collective_timeout_s
-        self.exchange = PcpExchange(plan, rank, group, self.collective_timeout_s)
         self.load_deadline_s = config.load_deadline_s
+        self.exchange = PcpExchange(plan, rank, group, self.collective_timeout_s,
+                                    group_timeout_s=self.load_deadline_s + self.collective_timeout_s)
         self.num_blocks = num_blocks
         self._kv: dict[str, torch.Tensor] = {}
         #: set by start_load_kv, cleared by build_connector_worker_meta (the step's last hook): a forward that runs
@@ -89,9 +96,13 @@ class PcpWorkerRouter:
         """Load this rank's shards of the step's loads (synchronously, within ``load_deadline_s``), then agree with
         every rank on what failed (collective; issued on every step, with no collective when nothing loads)."""
         t0 = time.monotonic()
-        self.worker.start_load(self.slice.metadata(meta))
+        try:
+            self.worker.start_load(self.slice.metadata(meta))
+            self.last_local_failed = self.worker.take_failed_block_ids()
+        except Exception:  # every rank must still agree (a rank that skipped the collectives would stall the rest)
+            logger.exception("Range PCP rank %d: the local load failed; its blocks are reported failed", self.rank)
+            self.last_local_failed = {b for r in meta.loads for c in r.chunks for b in c.block_ids}
         self.last_load_s = time.monotonic() - t0
-        self.last_local_failed = self.worker.take_failed_block_ids()
         # Wait for a rank still inside its deadline-bounded load, then one collective timeout more.
         agree_s = max(0.0, self.load_deadline_s - (time.monotonic() - t0)) + self.collective_timeout_s
         self.last_agreement = self.exchange.agree(meta.loads, self.last_local_failed, timeout_s=agree_s)

@@ -133,7 +133,7 @@ def reassemble(context: LoadContext, reqs: list[RequestTransfer], deadline: floa
                                                                        t, num_layers, num_planes):
                     logger.warning("Range load: checksum mismatch in piece of stripe %s (heads %d-%d)", t.stripe_id,
                                    t.head_start, t.head_start + t.num_heads - 1)
-                    context.stats["load_integrity_errors"] += 1
+                    context.stats.add("load_integrity_errors")
                     context.drop(chunk.chunk_hash, s)
                     ok = False
         if not ok:
@@ -141,7 +141,7 @@ def reassemble(context: LoadContext, reqs: list[RequestTransfer], deadline: floa
             continue
         written = _copy_chunk(context, chunk, by_head, buffers, n, c0, my_heads, head_bytes)
         done.append((chunk.chunk_hash, list(range(len(chunk.tickets))), written))
-    context.stats["reassembled_chunks"] += len(done)
+    context.stats.add("reassembled_chunks", len(done))
     return failed_from, done
 
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -39,6 +39,7 @@ from range_connector.kv.stripes import (
 )
 from range_connector.kv.tickets import Ticket, head_keys
 from range_connector.worker.context import LoadContext
+from range_connector.worker.counters import Counters
 
 logger = logging.getLogger("vllm." + __name__)
 
@@ -62,7 +63,7 @@ class StripeSaver:
     """
 
     def __init__(self, config: RangeConfig, plan: ShardPlan, backends: Sequence[Backend], shard_idxs: tuple[int, ...],
-                 stats: MutableMapping[str, int], *, head_slice: HeadSlice = HeadSlice(0, 1),
+                 stats: Counters, *, head_slice: HeadSlice = HeadSlice(0, 1),
                  ticket_group: int = 0) -> None:
         self.config = config
         self.plan = plan
@@ -138,14 +139,14 @@ class StripeSaver:
         stripes = []  # (shard, backend, chunks of the stripe, per-layer values)
         for s, backend in enumerate(self.backends):
             if time.monotonic() < self._down_until[s]:
-                self.stats["saves_skipped"] += 1
+                self.stats.add("saves_skipped")
                 continue
             try:
                 groups = chunk_groups(len(chunks), bps, layout.num_planes * layout.row_bytes,
                                       backend.max_value_bytes)
             except ValueError as exc:
                 logger.warning("Range save to shard %d: %s", s, exc)
-                self.stats["save_errors"] += 1
+                self.stats.add("save_errors")
                 continue
             for group in groups:
                 stripe_chunks = [chunks[i] for i in group]
@@ -157,7 +158,7 @@ class StripeSaver:
         nbytes = sum(v.numel() * v.element_size() for *_rest, values in stripes for v in values)
         with self._lock:
             if self._backlog_bytes + nbytes > self.config.save_backlog_bytes:
-                self.stats["saves_skipped_backlog"] += 1
+                self.stats.add("saves_skipped_backlog")
                 self._results.extend((o[0], o[1], False) for o in owners if o is not None)
                 return
             self._backlog_bytes += nbytes
@@ -208,10 +209,10 @@ class StripeSaver:
                 self._results.extend((o[0], o[1], h in stored) for h, o in zip(hashes, owners) if o is not None)
                 self._backlog_bytes -= backlog_bytes
                 reported = True
-            self.stats["saved_chunks"] += len(saved)
+            self.stats.add("saved_chunks", len(saved))
         except Exception:  # a background write must never take the worker down
             logger.exception("Range save failed")
-            self.stats["save_errors"] += 1
+            self.stats.add("save_errors")
             if not reported:
                 with self._lock:
                     self._results.extend((o[0], o[1], False) for o in owners if o is not None)
@@ -239,14 +240,14 @@ class StripeSaver:
             stored = backend.write_stripe(write)
         except (BackendError, ValueError) as exc:
             logger.warning("Range save to shard %d failed: %s", s, exc)
-            self.stats["save_errors"] += 1
+            self.stats.add("save_errors")
             if isinstance(exc, BackendError):
                 self._down_until[s] = time.monotonic() + self.config.tier.retry_s
             return
         if not stored:
-            self.stats["saves_skipped_capacity"] += 1
+            self.stats.add("saves_skipped_capacity")
             return
-        self.stats["saved_bytes"] += write.nbytes
-        self.stats["saved_stripes"] += 1
+        self.stats.add("saved_bytes", write.nbytes)
+        self.stats.add("saved_stripes")
         for h, t in tickets:
             tickets_by_chunk[h][s] = t

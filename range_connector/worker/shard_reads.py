@@ -13,10 +13,11 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 
 from range_connector.backends.base import Backend, RangeRead
 from range_connector.errors import BackendError
+from range_connector.worker.counters import Counters
 
 logger = logging.getLogger("vllm.range_connector.worker.loads")
 
@@ -35,7 +36,7 @@ class ShardReads:
         lock: guards ``missing`` and ``errored`` (reads run on several threads).
     """
 
-    def __init__(self, backends: Sequence[Backend], stats: MutableMapping[str, int]) -> None:
+    def __init__(self, backends: Sequence[Backend], stats: Counters) -> None:
         self.backends = backends
         self.stats = stats
         self.missing: set[tuple[int, str]] = set()
@@ -57,12 +58,12 @@ class ShardReads:
                 self.missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
         except ValueError as exc:  # a stored value disagrees with its ticket: find which, stripe by stripe
             logger.warning("Range load from shard %d: %s", s, exc)
-            self.stats["load_integrity_errors"] += 1
+            self.stats.add("load_integrity_errors")
             self._reread_each_stripe(s, reads)
         except BackendError as exc:
             if not cancelled.is_set():  # (a cancelled direct receive ends with its gate's refusal)
                 logger.warning("Range load from shard %d: %s", s, exc)
-                self.stats["load_backend_errors"] += 1
+                self.stats.add("load_backend_errors")
             self.failed_shards.add(s)
             with self.lock:
                 self.errored.update((s, r.stripe_id) for r in reads)

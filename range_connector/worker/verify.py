@@ -45,7 +45,7 @@ def verify_group(job: Any, group: range, sums_of: Callable[[range, int, int], li
                 logger.warning("Range load: checksum mismatch in stripe %s layers %d-%d blocks [%d, %d)",
                                t.stripe_id, group.start, group.stop - 1, t.block_offset,
                                t.block_offset + t.num_blocks)
-                job.w.stats["load_integrity_errors"] += 1
+                job.w.stats.add("load_integrity_errors")
                 job.w.drop(chunk.chunk_hash, s)
                 job._fail(req.req_id, chunk.chunk_idx)
                 break

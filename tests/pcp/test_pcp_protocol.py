@@ -227,6 +227,33 @@ def test_plans_that_differ_between_ranks_fail_every_load_alike(pool: RankPool, s
     b.close()
 
 
+def test_a_rank_with_nothing_locally_issues_every_collective_and_every_rank_agrees_on_the_minimum(
+        pool: RankPool, valkey_server_sets: Callable[[int], ValkeyServers]) -> None:
+    """sglang#30760 deadlocked when a rank with nothing to do skipped a collective: here rank 2's shard loses all
+    it held after the lookup promised it, so rank 2 finds nothing to load while ranks 0, 1 and 3 load theirs; every
+    rank still agrees (no collective times out, no group breaks) on the minimum: the whole load is recomputed."""
+    import valkey
+
+    urls = list(valkey_server_sets(4).urls)
+    prompt = prompt_tokens(3 * CHUNK + 5, seed=5100)
+    a, _, _ = produce(pool, 4, urls, prompt, "empty-rank")
+    b = PcpEngine(pool, "B-empty-rank", 4, urls, seed=2)
+    assert b.sched.admit(FakeRequest("e", prompt)) == 3 * CHUNK
+    meta, scheduled = b.sched.build()
+    admin = valkey.Valkey.from_url(urls[2], socket_timeout=5.0)
+    admin.flushall()
+    admin.close()
+    pool.send(list(range(WORLD)), "step", engine="B-empty-rank", meta=meta, scheduled=scheduled, forward_seed=7)
+    results = pool.collect(list(range(WORLD)), timeout_s=WIDE_S)
+    b.sched.complete([r["worker_meta"] for r in results])
+    all_blocks = sorted(x for r in meta.loads for c in r.chunks for x in c.block_ids)
+    assert [bool(r["local_failed"]) for r in results] == [False, False, True, False]
+    assert all(r["failed"] == all_blocks for r in results)
+    assert all(r["consistent"] and not r["broken"] for r in results)
+    a.close()
+    b.close()
+
+
 # ---------------------------------------------------------------------------------------------------- failures
 def test_killing_one_shard_server_during_a_load_fails_the_same_blocks_on_every_rank_in_time(
         pool: RankPool, valkey_server_sets: Callable[[int], ValkeyServers]) -> None:

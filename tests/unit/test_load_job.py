@@ -6,7 +6,6 @@ the chunk instead of reaching the KV cache.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +26,7 @@ from range_connector.kv.stripes import chunk_checksum, new_stripe_id
 from range_connector.kv.tickets import Ticket, ticket_key
 from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
+from range_connector.worker.counters import Counters
 from range_connector.worker.loads import PIPELINED, SYNC, LoadJob
 
 LAYERS = ("layer.0", "layer.1", "layer.2")
@@ -76,7 +76,7 @@ def context_for(dest: dict[str, torch.Tensor], backend: Backend) -> tuple[LoadCo
     dropped: list = []
     ctx = LoadContext(config=config, layout=layout, layer_names=LAYERS, plan=ShardPlan(BLOCKS_PER_CHUNK, 1),
                       backends=[backend], rows=rows, banks=BankPool(config.num_banks), reader=reader,
-                      verifier=pools[0], shard_readers=pools[1], stats=defaultdict(int), layer_events={},
+                      verifier=pools[0], shard_readers=pools[1], stats=Counters(), layer_events={},
                       drop=lambda chunk_hash, shard_idx: dropped.append((chunk_hash, shard_idx)))
     return ctx, [*pools, reader, dropped]
 

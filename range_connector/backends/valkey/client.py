@@ -15,18 +15,22 @@ commit (one script, in the same round trip as the values) that publishes the tic
 registered in that epoch; a clear in between makes the commit remove the values instead.
 
 Each call is one pipeline (or one script) with a deadline for the whole call; connection errors and timeouts become
-:class:`BackendError` / :class:`BackendTimeoutError` naming the server.
+:class:`BackendError` / :class:`BackendTimeoutError` naming the server. Calls on the RESP path run in the caller's
+thread (every socket operation is bounded by the call's deadline); valkey-py calls run on the backend's executor of
+:data:`CALL_WORKERS` threads, and one that passes its deadline shuts down only the connection it borrowed.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 import msgpack
 import valkey
@@ -67,6 +71,65 @@ logger = logging.getLogger("vllm." + __name__)
 DEFAULT_MAX_BULK_BYTES = 512 * 1024 * 1024
 #: keys one SCAN step of :meth:`ValkeyBackend.clear` asks for (and one script call removes)
 CLEAR_BATCH_KEYS = 1000
+#: threads of one backend's executor for valkey-py calls (scripts, small commands): how many such calls of one shard
+#: run at once; more wait for a thread within their own deadline
+CALL_WORKERS = 4
+
+
+class _CallRecord:
+    """The valkey-py connections one call holds right now (added and removed by its executor thread, in
+    :class:`_CallPool`), and whether its caller gave up on it."""
+
+    __slots__ = ("aborted", "conns", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.conns: list = []
+        self.aborted = False
+
+    def abort(self) -> int:
+        """Give up on the call: shut down the sockets it holds (their reads end at once, and nothing sent after
+        this can be read from them) and refuse it further connections. Returns how many were shut down."""
+        with self.lock:
+            self.aborted = True
+            for conn in self.conns:
+                sock = getattr(conn, "_sock", None)  # (valkey-py's socket; None once disconnected)
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:  # already closed by its thread
+                        pass
+            return len(self.conns)
+
+
+_current_call = threading.local()  # .record: the _CallRecord of the call this executor thread runs
+
+
+class _CallPool(valkey.ConnectionPool):
+    """valkey-py's connection pool, which also tells the call running on the borrowing thread (if any) which
+    connection it holds, so that a caller past its deadline can drop exactly that one."""
+
+    def get_connection(self, command_name, *keys, **options):
+        conn = super().get_connection(command_name, *keys, **options)
+        record: _CallRecord | None = getattr(_current_call, "record", None)
+        if record is not None:
+            with record.lock:
+                if not record.aborted:
+                    record.conns.append(conn)
+                    return conn
+            super().release(conn)  # (unused: still in sync)
+            raise vex.ConnectionError("the call was given up at its deadline")
+        return conn
+
+    def release(self, connection) -> None:
+        record: _CallRecord | None = getattr(_current_call, "record", None)
+        if record is not None:
+            with record.lock:
+                if connection in record.conns:
+                    record.conns.remove(connection)
+                if record.aborted:  # its socket may have been shut down: the next borrow reconnects
+                    connection.disconnect()
+        super().release(connection)
 
 
 class ValkeyBackend(Backend):
@@ -96,6 +159,10 @@ class ValkeyBackend(Backend):
 
     def __init__(self, url: str, timeout_s: float = 5.0, capacity_bytes: int | None = None, *,
                  access: ValkeyAccess | None = None, deployment: str = DEFAULT_DEPLOYMENT) -> None:
+        self._calls = ThreadPoolExecutor(max_workers=CALL_WORKERS, thread_name_prefix="range-valkey")
+        self._calls_lock = threading.Lock()
+        self._in_flight: set[_CallRecord] = set()
+        self._closed = False
         self.deployment = deployment
         #: the deployment's key prefix (str for the scripts, bytes for the data path)
         self.prefix = deployment_key_prefix(deployment)
@@ -160,30 +227,50 @@ class ValkeyBackend(Backend):
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, commands: int, fn, deadline: float | None = None):
-        """Run ``fn()`` (one round trip) within ``timeout_s`` for the whole call (or until ``deadline``, a
-        ``time.monotonic()`` time shared by the steps of one public call).
+        """Run ``fn()`` (one valkey-py round trip) on the backend's executor within ``timeout_s`` for the whole call
+        (or until ``deadline``, a ``time.monotonic()`` time shared by the steps of one public call).
 
-        The socket timeout bounds each read; a server that trickles its reply would pass it, so the call runs in a
-        helper thread and the caller stops waiting at the deadline, dropping the connections (a late reply can
-        never be read by a later call).
+        The socket timeout bounds each read; a server that trickles its reply would pass it, so the caller stops
+        waiting at the deadline. A call still waiting for a thread then never starts; one that runs has the
+        connection it borrowed shut down (which ends its thread's read at once, and a late reply can never be
+        read by a later call); other calls' connections, the saver's in flight among them, are left alone.
+
+        Raises:
+            BackendTimeoutError: no complete answer by the deadline.
+            BackendError: the server refused or lost the call, or the backend is closed.
         """
         wait_s = self.timeout_s if deadline is None else deadline - time.monotonic()
         if wait_s <= 0:
             raise BackendTimeoutError(f"{self.url}: no complete answer within {self.timeout_s:g} s")
-        done: Future = Future()
+        record = _CallRecord()
 
-        def run() -> None:
+        def run():
+            if record.aborted:  # (its caller gave up while it waited for a thread)
+                raise BackendTimeoutError(f"{self.url}: given up before it started")
+            _current_call.record = record
             try:
-                done.set_result(fn())
-            except BaseException as exc:  # handed to the caller through the future
-                done.set_exception(exc)
+                return fn()
+            finally:
+                _current_call.record = None
 
-        threading.Thread(target=run, name="range-valkey-call", daemon=True).start()
+        with self._calls_lock:
+            if self._closed:
+                raise BackendError(f"{self.url}: the backend is closed")
+            self._in_flight.add(record)
+            future = self._calls.submit(run)
         try:
-            out = done.result(timeout=wait_s)
-        except TimeoutError as exc:
-            self._client.connection_pool.disconnect()
-            raise BackendTimeoutError(f"{self.url}: no complete answer within {self.timeout_s:g} s") from exc
+            done = bool(wait_futures([future], timeout=wait_s).done)
+            if not done and not future.cancel():  # running: drop the connection it holds, and only that one
+                record.abort()
+        finally:
+            with self._calls_lock:
+                self._in_flight.discard(record)
+        if not done:
+            raise BackendTimeoutError(f"{self.url}: no complete answer within {self.timeout_s:g} s")
+        try:
+            out = future.result()
+        except BackendError:
+            raise
         except vex.TimeoutError as exc:
             raise BackendTimeoutError(f"{self.url}: no answer within the deadline ({exc})") from exc
         except (vex.ValkeyError, OSError) as exc:
@@ -388,6 +475,14 @@ class ValkeyBackend(Backend):
         self._call(1, self._client.ping)
 
     def close(self) -> None:
+        """Close the connections and stop the executor: calls in flight are given up (their connections shut
+        down), later calls raise :class:`BackendError`. Returns once the executor's threads have ended."""
+        with self._calls_lock:
+            self._closed = True
+            in_flight = list(self._in_flight)
+        for record in in_flight:
+            record.abort()
+        self._calls.shutdown(wait=True, cancel_futures=True)
         if self._resp is not None:
             self._resp.close()
         self._client.close()
@@ -421,7 +516,12 @@ def _clients_settings(target: ServerUrl, access: ValkeyAccess, timeout_s: float)
                   ssl_min_version=ssl.TLSVersion.TLSv1_2)
     setup = RespSetup(unix_path=target.unix_path, db=target.db, username=username, password=password, tls=context,
                       name=target.shown)
-    return valkey.Valkey(**kw), setup
+    # valkey-py picks the connection class (TCP, unix socket, TLS) from these keywords; the pool is then rebuilt as a
+    # _CallPool of that class, so that a call past its deadline can drop exactly the connection it holds.
+    plain = valkey.Valkey(**kw).connection_pool
+    pool = _CallPool(connection_class=plain.connection_class, **plain.connection_kwargs)
+    plain.disconnect()
+    return valkey.Valkey(connection_pool=pool), setup
 
 
 def _check_reads(name: str, reads: Sequence[RangeRead]) -> None:
