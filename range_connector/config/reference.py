@@ -70,11 +70,12 @@ and `range_valkey_tls` beside `range_valkey`, through a TLS-terminating relay on
 TLS record (16 KiB) at a time, and each record is decrypted by the client.
 
 **A Valkey ACL user for Range.** These are all the commands Range sends, its Lua scripts' commands included (a
-script runs with its caller's permissions); keys are all under the key prefix (`<key_prefix>`, `rc2:` today), so a
-user can be restricted to `~<key_prefix>*`:
+script runs with its caller's permissions); every key of a deployment is under its prefix `rc3:<deployment>:` (the
+engine-wide key `deployment`, default `default`), so a user can be restricted to one deployment's keys
+(`~rc3:<deployment>:*`); here the deployment `default`:
 
 ```
-ACL SETUSER range on >PASSWORD resetkeys ~rc2:* resetchannels -@all +ping +select +client|setinfo +config|get +get +getrange +set +mget +mset +del +exists +type +incrby +decrby +zadd +zrange +zrem +hset +hgetall +hdel +pexpire +pttl +time +evalsha +script|load +script|exists
+ACL SETUSER range on >PASSWORD resetkeys ~rc3:default:* resetchannels -@all +ping +select +client|setinfo +config|get +get +getrange +set +mget +mset +del +exists +type +incr +incrby +decrby +zadd +zcard +zrange +zrem +hset +hgetall +hdel +pexpire +pttl +time +scan +eval +evalsha +script|load +script|exists
 ```
 
 `+config|get` is optional: without it Range assumes the server's default value limit (`proto-max-bulk-len`, 512 MiB)

@@ -29,12 +29,15 @@ import xxhash
 
 from range_connector.backends.base import RangeRead, ScatterDest
 from range_connector.backends.factory import open_shard_backends
-from range_connector.backends.valkey.client import PREFIX, ValkeyBackend
+from range_connector.backends.base import deployment_key_prefix
+from range_connector.backends.valkey.client import ValkeyBackend
 from range_connector.backends.valkey.resp import RespCommandError
 from range_connector.backends.valkey.servers import valkey_server_binary
 from range_connector.backends.valkey.urls import ValkeyAccess
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError, ConfigError, ServerStartError
+
+PREFIX = deployment_key_prefix("default")
 from range_connector.testing.processes import free_port
 from range_connector.testing.tls_relay import (
     TlsRelay,
@@ -139,10 +142,12 @@ def test_password_in_url_keeps_the_bulk_path_on_the_resp_reader(server: AuthServ
         stripe = make_stripe(2, num_layers=3, row_bytes=4096)
         before, trips = server.calls(), backend._resp.round_trips
         assert backend.write_stripe(stripe.write)
+        mid = server.calls()
         assert read_whole(backend, stripe)[0] == stripe.values
         after = server.calls()
-        # 3 layer SETs + the manifest SET, 3 GETs: all sent through the RESP pool (2 round trips).
-        assert after["set"] - before.get("set", 0) == 4 and after["get"] - before.get("get", 0) == 3
+        # the write: 3 layer SETs + the manifest SET + the write guard SET (the reserve and commit scripts' own GETs
+        # are counted too); the read: 3 GETs. Both through the RESP pool (2 round trips).
+        assert mid["set"] - before.get("set", 0) == 5 and after["get"] - mid.get("get", 0) == 3
         assert backend._resp.round_trips - trips == 2
         assert "s3cret" not in backend.url and "s3cret" not in backend.name
     finally:
@@ -187,9 +192,9 @@ def test_unix_socket_with_password_and_database(server: AuthServer) -> None:
     backend = ValkeyBackend(url, timeout_s=5.0)
     try:
         assert PASSWORD not in backend.url
-        before = server.calls()
         stripe = make_stripe(4, num_layers=2, row_bytes=8192)
         assert backend.write_stripe(stripe.write)
+        before = server.calls()
         assert _scatter_read(backend, stripe) == stripe.values[1]
         assert server.calls()["get"] - before.get("get", 0) == 1
         assert backend._resp.round_trips >= 2
@@ -279,9 +284,14 @@ def test_acl_user_of_the_documented_line_runs_a_whole_cycle_and_nothing_else(ser
         assert backend.get_tickets(stripe.keys + other.keys) == [None] * 4
         assert backend.used_bytes() == other.nbytes
         backend.ping()
-        with pytest.raises(RespCommandError, match="NOPERM") as denied, backend._resp.connection() as conn:
-            conn.execute([(b"GET", b"another-deployment:s:1")])
-        assert isinstance(denied.value, BackendError)
+        server.admin.set(b"rc3:another:used", b"7")  # another deployment's key on the same server
+        backend.clear()  # reset: SCAN, INCR and the clear scripts, within the prefix
+        assert backend.used_bytes() == 0 and backend.get_tickets(other.keys) == [None] * 2
+        assert server.admin.get(b"rc3:another:used") == b"7"
+        for key in (b"rc3:another:used", b"another-deployment:s:1"):
+            with pytest.raises(RespCommandError, match="NOPERM") as denied, backend._resp.connection() as conn:
+                conn.execute([(b"GET", key)])
+            assert isinstance(denied.value, BackendError)
     finally:
         backend.close()
         server.admin.execute_command("ACL", "DELUSER", "range")
@@ -311,9 +321,9 @@ def test_tls_through_a_relay_writes_and_reads_with_scatter(server: AuthServer, p
                                 access=ValkeyAccess(tls_ca_file=str(pki.ca_file)))
         try:
             assert backend.url == f"valkeys://***@127.0.0.1:{relay.port}/4"
-            before = server.calls()
             stripe = make_stripe(8, num_layers=3, row_bytes=70_000)  # layers of 1.1 MB: many TLS records each
             assert backend.write_stripe(stripe.write)
+            before = server.calls()
             assert read_whole(backend, stripe)[0] == stripe.values
             assert _scatter_read(backend, stripe) == stripe.values[1]
             assert server.calls()["get"] - before.get("get", 0) == 4

@@ -8,7 +8,7 @@ real Valkey servers, injects one fault, and then checks:
 * the **baseline** (:class:`Baseline`): no lease left on any server, no transfer bank in use, and once the engines
   are closed, as many threads in this process and client connections on each server as before the test.
 
-Key names come from the backend's own prefix (``ValkeyBackend``'s ``PREFIX``), not from a literal.
+Key names come from the deployment's own prefix (``deployment_key_prefix``), not from a literal.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import pytest
 import valkey
 
-from range_connector.backends.valkey import client as valkey_client
+from range_connector.backends.base import deployment_key_prefix
+from range_connector.config.keys import DEFAULT_DEPLOYMENT
 from range_connector.backends.valkey.client import ValkeyBackend
 from tests.unit.scheduler_worker_harness import BLOCK, Engine, StepResult, same_block
 
@@ -32,7 +33,7 @@ SETTLE_S = 10.0
 
 def key_prefix() -> str:
     """The Valkey tier's key prefix (stripes ``<prefix>s:``, leases ``<prefix>l:``, ...)."""
-    return valkey_client.PREFIX
+    return deployment_key_prefix(DEFAULT_DEPLOYMENT)
 
 
 def admin(url: str) -> valkey.Valkey:

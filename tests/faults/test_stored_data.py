@@ -18,6 +18,7 @@ from tests.faults.conftest import (
     Baseline,
     admin,
     assert_oracle,
+    key_prefix,
     scan_keys,
     stripe_value_key,
 )
@@ -104,7 +105,7 @@ def test_ticket_pointing_outside_its_stripe_fails_its_chunk(servers, backends_fo
     lying = dataclasses.replace(t, stripe_blocks=4 * t.stripe_blocks, block_offset=3 * t.stripe_blocks,
                                 stripe_checksums=())
     with contextlib.closing(admin(url)) as c:
-        c.set(ticket_key(HASHES[2], 0), lying.encode())
+        c.set(key_prefix().encode() + ticket_key(HASHES[2], 0), lying.encode())
 
     ext = b.admit(FakeRequest("B-0", PROMPT))
     assert ext == 128  # it fits the layout: only the read can tell
@@ -164,7 +165,7 @@ def test_tickets_with_absurd_geometry_are_misses(servers, backends_for) -> None:
     assert sorted(_absurd(t)) == sorted(ABSURD)
     with contextlib.closing(admin(url)) as c:
         for n, (case, raw) in enumerate(_absurd(t).items()):
-            c.set(ticket_key(HASHES[1], 0), raw)
+            c.set(key_prefix().encode() + ticket_key(HASHES[1], 0), raw)
             # a lookup reads it and stops before it: only chunk 0 is a hit, and loads byte for byte
             ext = b.admit(FakeRequest(f"B-{n}", PROMPT))
             assert ext == 32, case
@@ -172,7 +173,7 @@ def test_tickets_with_absurd_geometry_are_misses(servers, backends_for) -> None:
             assert res.invalid_block_ids == set(), case
             assert assert_oracle([(a, a_blocks)], b, f"B-{n}", ext, [res]) == 2, case
             b.finish(f"B-{n}")
-            c.set(ticket_key(HASHES[1], 0), good)
+            c.set(key_prefix().encode() + ticket_key(HASHES[1], 0), good)
     assert b.sched.get_num_new_matched_tokens(FakeRequest("B-good", PROMPT), 0) == (128, False)  # (the check bites)
     _finish(base, a, b, backends_for)
 
@@ -191,8 +192,8 @@ def test_tickets_spread_over_a_huge_stripe_allocate_nothing_and_fail_the_load(se
     assert t0 is not None and t1 is not None and t0.stripe_id == t1.stripe_id
     huge = (1 << 16) + 2
     with contextlib.closing(admin(url)) as c:
-        c.set(ticket_key(HASHES[0], 0), dataclasses.replace(t0, stripe_blocks=huge, stripe_checksums=()).encode())
-        c.set(ticket_key(HASHES[1], 0), dataclasses.replace(t1, stripe_blocks=huge, block_offset=huge - 2,
+        c.set(key_prefix().encode() + ticket_key(HASHES[0], 0), dataclasses.replace(t0, stripe_blocks=huge, stripe_checksums=()).encode())
+        c.set(key_prefix().encode() + ticket_key(HASHES[1], 0), dataclasses.replace(t1, stripe_blocks=huge, block_offset=huge - 2,
                                                             stripe_checksums=()).encode())
     staged: list[int] = []
     real_plan = loads.plan_segments

@@ -83,7 +83,7 @@ def test_command_measures_dram_and_file_tiers_and_leaves_nothing_behind(tmp_path
     assert any(line.startswith("BACKEND") and "SAVE@16384" in line for line in lines)
     assert any(line.startswith("file ") for line in lines) and any(line.startswith("memory ") for line in lines)
     for shard in ("shard-0", "shard-1"):
-        assert list((tmp_path / "files" / shard / "stripes").iterdir()) == []
+        assert list((tmp_path / "files" / "default" / shard / "stripes").iterdir()) == []  # (deployment "default")
 
 
 @pytest.mark.parametrize(
