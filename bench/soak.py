@@ -72,6 +72,7 @@ HOSTILE_PARAMS: list[Any] = [
     {"range": {"version": 1, "settings": {"namespace": "00"}, "num_tokens": "x"}},
     {"range": {"settings": {"namespace": "00"}, "num_tokens": None}},
     {"range": {"settings": {"namespace": "00"}, "num_tokens": float("inf")}},
+    {"range": {"settings": {"namespace": "00"}, "num_tokens": 1 << 62}},
     {"range": {"num_tokens": 5, "settings": ["namespace"]}},
     {"range": {"num_tokens": 5, "settings": {"namespace": "x" * 1_000_000}}},
     {"range": [1, 2, 3]},
@@ -107,7 +108,8 @@ def _complete(base_url: str, prompt: list[int], max_tokens: int, timeout_s: floa
                             "return_token_ids": True}
     if params is not None:
         body["kv_transfer_params"] = params
-    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout_s)
+    response = httpx.post(f"{base_url}/v1/completions", content=json.dumps(body),  # (json.dumps allows Infinity)
+                          headers={"Content-Type": "application/json"}, timeout=timeout_s)
     if response.status_code != 200:
         return None
     choice = response.json()["choices"][0]

@@ -205,13 +205,15 @@ def test_connector_registered_by_entry_point(server: ServerProcess, sends: tuple
 # ------------------------------------------------------------------------------------------------ hostile clients
 REJECTED = "vllm:range_rejected_request_inputs_total"
 NAMESPACE_ONLY = {"namespace": "00" * 32}
-#: (kind counted, kv_transfer_params): what any client of the default kv_both server can send
-HOSTILE_PARAMS: list[tuple[str, object]] = [
+#: (kind counted, kv_transfer_params): what any client of the default kv_both server can send (kind None: vLLM's own
+#: validation refuses it with a 400 before Range sees it)
+HOSTILE_PARAMS: list[tuple[str | None, object]] = [
     ("num_tokens", {"range": {"version": 1, "settings": NAMESPACE_ONLY, "num_tokens": "x"}}),
     ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": None}}),
     ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": float("inf")}}),  # JSON Infinity
     ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": True}}),
-    ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": 10 ** 200}}),
+    ("num_tokens", {"range": {"settings": NAMESPACE_ONLY, "num_tokens": 1 << 62}}),  # over Range's bound
+    (None, {"range": {"settings": NAMESPACE_ONLY, "num_tokens": 10 ** 200}}),  # vLLM itself answers 400
     ("settings", {"range": {"num_tokens": 5, "settings": ["namespace"]}}),
     ("settings", {"range": {"num_tokens": 5, "settings": {"namespace": "x" * 10_000_000}}}),  # a 10 MB string
     ("settings", {"range": {"num_tokens": 5, "settings": {"namespace": "0", "deep": [[[[[[[[[[1]]]]]]]]]]}}}),
@@ -238,7 +240,11 @@ def test_hostile_kv_transfer_params_leave_the_engine_serving(server: ServerProce
     expected: dict[str, int] = {}
     for i, (kind, params) in enumerate(HOSTILE_PARAMS):
         body = {"prompt": prompt[: 40 + i], "max_tokens": 2, "temperature": 0.0, "kv_transfer_params": params}
-        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120.0)
+        response = httpx.post(f"{server.base_url}/v1/completions", content=json.dumps(body),  # (Infinity allowed)
+                              headers={"Content-Type": "application/json"}, timeout=120.0)
+        if kind is None:
+            assert response.status_code == 400, f"{response.status_code} {response.text[:300]}"
+            continue
         assert response.status_code == 200, f"{kind}: {response.status_code} {response.text[:300]}"
         assert len(response.json()["choices"][0]["text"]) >= 0
         expected[kind] = expected.get(kind, 0) + 1
@@ -256,3 +262,46 @@ def test_hostile_kv_transfer_params_leave_the_engine_serving(server: ServerProce
     log = server.log_text()
     assert "EngineDeadError" not in log and "Traceback" not in log
     assert log.count("further requests with this kind of input are only counted") == len(expected)
+
+
+# ------------------------------------------------------------------------------------------------ reset_external
+@pytest.mark.timeout(600)
+def test_reset_external_clears_this_deployments_tier_entries_only(server: ServerProcess, prompt: list[int],
+                                                                  sends: tuple[Send, Send], runtime_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    # Defined last: it empties the tier the other tests read. vLLM's /reset_prefix_cache?reset_external=true (dev
+    # mode) reaches the connector's reset_cache: this deployment's entries go from every tier, another deployment's
+    # on the same server stay, and the prompt is a miss on this engine and on a fresh one.
+    from range_connector.backends.valkey.client import ValkeyBackend
+    from range_connector.backends.valkey.servers import embedded_urls
+    from range_connector.testing.embedded import embedded_client
+    from range_connector.testing.tiny_models import build_model
+    from tests.backends.conformance import make_stripe
+    from tests.integration.harness import run_engine
+
+    other = ValkeyBackend(embedded_urls(runtime_dir)[0], deployment="another", capacity_bytes=1 << 20)
+    stripe = make_stripe(3)
+    assert other.write_stripe(stripe.write)
+    client = embedded_client(runtime_dir)
+    ours_before = list(client.scan_iter(match="rc3:default:*", count=1000))
+    others_before = sorted(client.scan_iter(match="rc3:another:*", count=1000))
+    assert len(ours_before) > 2 and others_before, "nothing stored to clear"
+    assert sends[1].hits > 0  # the tier served the prompt before the reset
+
+    assert reset_prefix_cache(server.base_url, reset_external=True), "reset_prefix_cache reported failure"
+
+    assert list(client.scan_iter(match="rc3:default:*", count=1000)) == [b"rc3:default:epoch"]  # (the fence)
+    assert int(client.get(b"rc3:default:used") or 0) == 0
+    assert sorted(client.scan_iter(match="rc3:another:*", count=1000)) == others_before
+    assert other.get_tickets(stripe.keys) == stripe.encoded and other.used_bytes() == stripe.nbytes
+    # a fresh engine of the same deployment (a consumer: it saves nothing) misses
+    fresh = run_engine(tmp_path, "fresh-after-reset", {
+        "model": str(build_model("gqa", "tiny")), "role": "kv_consumer",
+        "connector": {"runtime_dir": str(runtime_dir), "chunk_tokens": CHUNK_TOKENS, "remote_wait_s": 0.0},
+        "steps": [{"op": "generate", "prompts": [prompt], "max_tokens": MAX_TOKENS}]})
+    assert fresh[0]["external_hits"] == 0 and fresh[0]["external_queries"] == len(prompt)
+    # and so does this engine
+    after = _send(server, prompt)
+    assert after.hits == 0 and after.local_hits == 0 and after.queries == len(prompt)
+    other.close()
+    client.close()
