@@ -146,11 +146,15 @@ class StripeWrite:
         stripe_id: unique id (alphanumeric).
         layer_values: ``[num_layers]`` buffers of equal size, ``[num_planes, stripe_blocks, row_bytes]`` each.
         tickets: ``(ticket key, encoded ticket)`` of every chunk in the stripe.
+        epoch: the shared tier's reset epoch the save was gathered in (:attr:`Backend.epoch_hint` then), or
+            ``None``: the tier's epoch when the write reserves its stripe. A write gathered in an older epoch than the
+            tier's stores nothing (a reset came between the gathering and the write).
     """
 
     stripe_id: str
     layer_values: Sequence[Buffer]
     tickets: Sequence[tuple[bytes, bytes]]
+    epoch: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -242,6 +246,15 @@ class Backend(abc.ABC):
             BackendTimeoutError, BackendError.
         """
         raise NotImplementedError(f"{self.name} cannot drop stripes")
+
+    #: shared tiers: the deployment's reset epoch as this instance last saw it (read at construction, after a refused
+    #: write and by :meth:`refresh_epoch`); stamped on each save when it is gathered (``StripeWrite.epoch``).
+    #: ``None``: the tier has no epochs (in-process tiers are cleared by their own worker).
+    epoch_hint: int | None = None
+
+    def refresh_epoch(self) -> None:
+        """Read the tier's reset epoch into :attr:`epoch_hint` (after a reset). Never raises: a tier that does not
+        answer keeps its hint (its writes are then refused once, and the hint corrected)."""
 
     def clear(self) -> None:
         """Remove every entry of this backend's deployment on the shard: stripes, tickets, leases and the byte

@@ -253,6 +253,13 @@ class LatencyBackend(Backend):
         return getattr(inner, name)
 
     @property
+    def epoch_hint(self) -> int | None:  # type: ignore[override]
+        return self._inner.epoch_hint
+
+    def refresh_epoch(self) -> None:
+        self._inner.refresh_epoch()
+
+    @property
     def inner(self) -> Backend:
         """The wrapped backend."""
         return self._inner

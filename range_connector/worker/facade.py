@@ -140,12 +140,15 @@ class RangeWorker:
             return
         self.reset_generation = meta.reset_generation
         self.saver.reset(meta.reset_generation)
-        for backend in {id(b): b for b in self.backends if not b.is_shared}.values():
+        for backend in {id(b): b for b in self.backends}.values():
+            if backend.is_shared:  # (cleared by the scheduler: saves gathered from now on carry the new epoch)
+                backend.refresh_epoch()
+                continue
             try:
                 backend.clear()
             except (BackendError, NotImplementedError) as exc:
                 logger.warning("Range reset: %s not cleared: %s", backend.name, exc)
-        self.stats["resets"] += 1
+        self.stats.add("resets")
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """View the engine's KV tensors as rows (see :func:`range_connector.kv.layout.block_rows`)."""

@@ -157,7 +157,7 @@ class LoadJob:
         if refused:
             logger.warning("Range load: %d stripe(s) would stage more rows than %d KV pools; their chunks are "
                            "recomputed", len(refused), MAX_STAGED_POOLS)
-            w.stats["load_geometry_refused"] += len(refused)
+            w.stats.add("load_geometry_refused", len(refused))
             for req in self.reqs:
                 for chunk in req.chunks:
                     if any((s, t.stripe_id) in refused for s, t in enumerate(chunk.tickets)):

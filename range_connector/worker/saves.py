@@ -136,7 +136,7 @@ class StripeSaver:
             owners = [None] * len(chunks)
         layout = context.layout
         bps = self.plan.blocks_per_shard
-        stripes = []  # (shard, backend, chunks of the stripe, per-layer values)
+        stripes = []  # (shard, backend, chunks of the stripe, per-layer values, the tier's reset epoch now)
         for s, backend in enumerate(self.backends):
             if time.monotonic() < self._down_until[s]:
                 self.stats.add("saves_skipped")
@@ -150,12 +150,13 @@ class StripeSaver:
                 continue
             for group in groups:
                 stripe_chunks = [chunks[i] for i in group]
-                stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks, context)))
+                stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks, context),
+                                backend.epoch_hint))
         hashes = [h for h, _ in chunks]
         if self.config.save_mode != "async":
             self._write_stripes(stripes, hashes, owners, 0, context, self.generation)
             return
-        nbytes = sum(v.numel() * v.element_size() for *_rest, values in stripes for v in values)
+        nbytes = sum(v.numel() * v.element_size() for *_rest, values, _epoch in stripes for v in values)
         with self._lock:
             if self._backlog_bytes + nbytes > self.config.save_backlog_bytes:
                 self.stats.add("saves_skipped_backlog")
@@ -194,11 +195,11 @@ class StripeSaver:
         reported = False
         try:
             tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
-            for s, backend, stripe_chunks, values in stripes:
+            for s, backend, stripe_chunks, values, epoch in stripes:
                 if self.generation != generation:
-                    self.stats["saves_skipped_reset"] += 1
+                    self.stats.add("saves_skipped_reset")
                     break
-                self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk, context)
+                self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk, context, epoch)
             saved = [(h, self.ticket_group, tuple(tickets)) for h, tickets in tickets_by_chunk.items()
                      if all(t is not None for t in tickets)]
             with self._lock:
@@ -219,7 +220,8 @@ class StripeSaver:
                     self._backlog_bytes -= backlog_bytes
 
     def _write_stripe(self, s: int, backend: Backend, chunks: list[SaveChunk], values: list[torch.Tensor],
-                      tickets_by_chunk: dict[ChunkHash, list[Ticket | None]], context: LoadContext) -> None:
+                      tickets_by_chunk: dict[ChunkHash, list[Ticket | None]], context: LoadContext,
+                      epoch: int | None = None) -> None:
         layout = context.layout
         bps = self.plan.blocks_per_shard
         stripe_blocks = len(chunks) * bps
@@ -235,7 +237,8 @@ class StripeSaver:
             tickets.append((chunk_hash, t))
         shard_idx = self.shard_idxs[s]
         write = StripeWrite(stripe_id, views, [(key, t.encode()) for h, t in tickets
-                                               for key in head_keys(h, shard_idx, self.head_slice.heads)])
+                                               for key in head_keys(h, shard_idx, self.head_slice.heads)],
+                            epoch=epoch)  # (gathered before a reset of a shared tier: the tier stores nothing)
         try:
             stored = backend.write_stripe(write)
         except (BackendError, ValueError) as exc:
@@ -244,7 +247,7 @@ class StripeSaver:
             if isinstance(exc, BackendError):
                 self._down_until[s] = time.monotonic() + self.config.tier.retry_s
             return
-        if not stored:
+        if not stored:  # no room within the budget (or the tier was reset since the save was gathered)
             self.stats.add("saves_skipped_capacity")
             return
         self.stats.add("saved_bytes", write.nbytes)

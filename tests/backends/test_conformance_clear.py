@@ -7,6 +7,8 @@ The backends and their :class:`~tests.backends.conformance.Store` are in ``tests
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.backends.conformance import Store, StripeStoreContract, is_stored, make_stripe
@@ -55,3 +57,27 @@ class TestStripeStoreContract(StripeStoreContract):
         writer.clear()
         assert reader.get_tickets(s.keys) == [None] * len(s.keys)
         assert not is_stored(reader, s)
+
+    @pytest.mark.timeout(30)
+    @pytest.mark.parametrize("capacity_bytes", [None, 1 << 20])
+    def test_a_write_gathered_before_a_clear_by_another_instance_stores_nothing(self, store: Store,
+                                                                                capacity_bytes: int | None) -> None:
+        # A shared tier's writer stamps each save with the epoch it saw when the save was gathered; another
+        # instance's clear (the scheduler's reset) comes before the write: the tier stores nothing, and the writer's
+        # hint catches up so that its next save lands.
+        writer = store.make(capacity_bytes)
+        if not writer.is_shared:
+            pytest.skip("in-process tiers are cleared by their own worker; they have no reset epoch")
+        other = store.make(capacity_bytes)
+        gathered = writer.epoch_hint
+        assert gathered is not None
+        other.clear()
+        s = make_stripe(9)
+        assert writer.write_stripe(dataclasses.replace(s.write, epoch=gathered)) is False
+        assert not is_stored(other, s) and other.get_tickets(s.keys) == [None] * len(s.keys)
+        assert other.used_bytes() == 0
+        store.audit(other)
+        assert writer.epoch_hint == gathered + 1
+        t = make_stripe(10)
+        assert writer.write_stripe(dataclasses.replace(t.write, epoch=writer.epoch_hint)) is True
+        assert is_stored(other, t)

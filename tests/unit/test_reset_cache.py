@@ -98,3 +98,35 @@ def test_saves_gathered_before_a_reset_are_not_written_after_it() -> None:
     assert a.worker.stats["saves_skipped_reset"] >= 1
     assert _hit(a, "A-1", prompt) == 0
     a.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_save_gathered_before_a_reset_and_written_before_the_workers_hear_of_it_stores_nothing(
+        dedicated_valkey) -> None:
+    # The window between the scheduler's clear and the step that tells the workers: the saver's write runs in it.
+    # The save carries the tier's epoch from when it was gathered, so the tier refuses it.
+    url = dedicated_valkey.urls[0]
+    ours = ValkeyBackend(url, deployment="ours")
+    try:
+        a = Engine([ours], deployment="ours", save_mode="async")
+        a.worker.saver._thread.submit(lambda: None).result()  # (the saver thread is up)
+        gate = __import__("threading").Event()
+        a.worker.saver._thread.submit(gate.wait, 30)  # hold the saver: the next save waits in its queue
+        prompt = prompt_tokens(PROMPT_TOKENS, seed=7)
+        assert a.admit(FakeRequest("A-0", prompt), None) == 0
+        a.step()  # gathers the chunks (epoch 0); their write waits behind the gate
+        assert a.sched.reset_cache() is True  # epoch 1
+        gate.set()  # the write runs before any step tells the workers of the reset
+        assert a.worker.saver.wait(30)
+        assert ours.used_bytes() == 0
+        assert _hit(Engine([ours], deployment="ours"), "B-0", prompt) == 0
+        a.finish("A-0")
+        a.step()  # now they hear of it: later saves carry the new epoch and land
+        assert ours.epoch_hint == 1
+        assert a.admit(FakeRequest("A-2", prompt), None) == 0
+        a.step()
+        assert a.worker.saver.wait(30)
+        assert _hit(Engine([ours], deployment="ours"), "C-0", prompt) == 96
+        a.close()
+    finally:
+        ours.close()

@@ -134,6 +134,10 @@ class FileBackend(Backend):
         self._files = StripeFiles(self.root / "stripes", self.name, self._count, self.use_odirect)
         # The ticket log as replayed here (guarded by its lock; appends also hold the file lock).
         self._log = TicketLog(self.root, self.name, self._count, fsync)
+        self.epoch_hint = self._epoch()  # (the file is replaced by a rename: readable without the lock)
+
+    def refresh_epoch(self) -> None:
+        self.epoch_hint = self._epoch()
 
     @property
     def supports_gds(self) -> bool:
@@ -190,7 +194,7 @@ class FileBackend(Backend):
                 if self.capacity_bytes is not None and not make_room(self.root, need, self.capacity_bytes,
                                                                      self._stale_ns, self._log):
                     return False
-                epoch = self._epoch()
+                epoch = self._epoch() if write.epoch is None else write.epoch  # (gathered before a clear: refused)
                 fd = os.open(tmp, NEW_FILE, 0o644)
                 try:
                     os.ftruncate(fd, PAGE + need)  # the reservation: every process's scan counts it from now on
@@ -203,8 +207,9 @@ class FileBackend(Backend):
                 if self.fsync:
                     os.fsync(fd)
                 with self._locked(call):
-                    if self._epoch() != epoch:  # cleared while the bytes were written: store nothing
+                    if self._epoch() != epoch:  # cleared since the save was gathered: store nothing
                         unlink(tmp)
+                        self.epoch_hint = self._epoch()
                         return False
                     touch(fd)
                     os.rename(tmp, self._files.path(sid))

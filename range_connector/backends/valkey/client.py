@@ -224,6 +224,7 @@ class ValkeyBackend(Backend):
             self._resp.close()
             self._client.close()
             raise
+        self.refresh_epoch()
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, commands: int, fn, deadline: float | None = None):
@@ -326,7 +327,7 @@ class ValkeyBackend(Backend):
         now = repr(time.time()).encode()
         guard_ms = max(1000, int(2000 * self.timeout_s))
         reserve_args = [p, need, -1 if self.capacity_bytes is None else self.capacity_bytes, sid, manifest, now,
-                        guard_ms]
+                        guard_ms, "" if write.epoch is None else str(write.epoch)]
         # The stripe is registered (manifest, LRU entry, bytes, guard with the reset epoch) before its values are
         # sent: a write that fails half-way leaves a listed stripe that eviction removes, never values that nothing
         # accounts for. With a budget the reservation may refuse, so it is a round trip of its own; without one it
@@ -362,8 +363,9 @@ class ValkeyBackend(Backend):
             except BackendError:
                 pass
             raise
-        if not int(committed):
-            return False  # the deployment was cleared while the values were on their way: nothing is stored
+        if not int(committed):  # the deployment was cleared since the save was gathered: nothing is stored
+            self.refresh_epoch()
+            return False
         self._count(bytes_written=need)
         return True
 
@@ -452,6 +454,12 @@ class ValkeyBackend(Backend):
 
     def used_bytes(self) -> int:
         return int(self._call(1, lambda: self._client.get(f"{self.prefix}used")) or 0)
+
+    def refresh_epoch(self) -> None:
+        try:
+            self.epoch_hint = int(self._call(1, lambda: self._client.get(f"{self.prefix}epoch")) or 0)
+        except (BackendError, ValueError) as exc:
+            logger.debug("%s: reset epoch not read: %s", self.url, exc)
 
     def clear(self) -> None:
         """Remove every key of this deployment (see :meth:`Backend.clear`): first ``epoch`` goes up, so that

@@ -66,8 +66,9 @@ end
 # the same atomic step (manifest ARGV[5], LRU score ARGV[6], its bytes, and a write guard for ARGV[7] ms that keeps
 # it from being evicted before its values land), so that ``used`` always equals the bytes of the listed stripes,
 # whatever happens to the write afterwards. The guard holds the deployment's reset epoch at this moment, so that
-# COMMIT_LUA can tell a clear that came in between. A budget below 0 is no budget. Returns 1, or 0 if there is no
-# room.
+# COMMIT_LUA can tell a clear that came in between: the epoch the write was gathered in (ARGV[8], when given: a clear
+# between the gathering and the reservation counts too), else the current one. A budget below 0 is no budget.
+# Returns 1, or 0 if there is no room.
 RESERVE_LUA = _DROP_LUA + _LEASED_LUA + """
 local p, sid = ARGV[1], ARGV[4]
 local now = now_ms()
@@ -89,7 +90,9 @@ end
 server.call('SET', p .. 'm:' .. sid, ARGV[5])
 server.call('ZADD', p .. 'lru', ARGV[6], sid)
 server.call('INCRBY', p .. 'used', need)
-server.call('SET', p .. 'w:' .. sid, server.call('GET', p .. 'epoch') or '0', 'PX', ARGV[7])
+local gathered = ARGV[8]
+if gathered == nil or gathered == '' then gathered = server.call('GET', p .. 'epoch') or '0' end
+server.call('SET', p .. 'w:' .. sid, gathered, 'PX', ARGV[7])
 return 1
 """
 
