@@ -192,9 +192,10 @@ def test_tickets_spread_over_a_huge_stripe_allocate_nothing_and_fail_the_load(se
     assert t0 is not None and t1 is not None and t0.stripe_id == t1.stripe_id
     huge = (1 << 16) + 2
     with contextlib.closing(admin(url)) as c:
-        c.set(key_prefix().encode() + ticket_key(HASHES[0], 0), dataclasses.replace(t0, stripe_blocks=huge, stripe_checksums=()).encode())
-        c.set(key_prefix().encode() + ticket_key(HASHES[1], 0), dataclasses.replace(t1, stripe_blocks=huge, block_offset=huge - 2,
-                                                            stripe_checksums=()).encode())
+        p = key_prefix().encode()
+        c.set(p + ticket_key(HASHES[0], 0), dataclasses.replace(t0, stripe_blocks=huge, stripe_checksums=()).encode())
+        c.set(p + ticket_key(HASHES[1], 0), dataclasses.replace(t1, stripe_blocks=huge, block_offset=huge - 2,
+                                                                stripe_checksums=()).encode())
     staged: list[int] = []
     real_plan = loads.plan_segments
 

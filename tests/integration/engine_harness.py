@@ -127,8 +127,11 @@ def main(spec_path: str, out_path: str) -> None:
         elif op == "delete_loaded_ticket":  # one rank's ticket of one chunk it loaded last (one slice evicted)
             import valkey
 
+            from range_connector.backends.base import deployment_key_prefix
+
             client = valkey.Valkey.from_url(step["url"])
             _shard, tkey = llm.collective_rpc(debug.connector_last_loaded_tickets)[step.get("rank", 0)][step["index"]]
+            tkey = deployment_key_prefix(step.get("deployment", "default")) + tkey  # (worker keys are per deployment)
             results.append({"deleted": int(client.delete(tkey)), "key": tkey})
         elif op == "worker_stats":
             results.append({"stats": llm.collective_rpc(debug.connector_worker_stats)[0]})

@@ -114,7 +114,7 @@ def _corrupt_chunk(setup: Setup, prompt: list[int], chunk_idx: int) -> None:
     found = re.search(r"RangeConnector WORKER: .* namespace=([0-9a-f]+)", setup.server.log_text())
     assert found, "the worker's start-up line names the namespace"
     chain = prefix_hash_chain(bytes.fromhex(found.group(1)), b"", prompt, CHUNK_TOKENS)
-    tier = FileBackend(setup.file_dir / "shard-0")
+    tier = FileBackend(setup.file_dir / "default" / "shard-0")  # (the deployment "default")
     try:
         [raw] = tier.get_tickets([ticket_key(chain[chunk_idx], 0)])
     finally:
@@ -123,7 +123,7 @@ def _corrupt_chunk(setup: Setup, prompt: list[int], chunk_idx: int) -> None:
     # Ticket.encode: [version, stripe_id, block_offset, num_blocks, stripe_blocks, layers, planes, row_bytes, ...]
     ticket = msgpack.unpackb(raw)
     offset = PAGE + ticket[2] * ticket[7] + 7  # layer 0 starts after the header page; plane 0, the chunk's block 0
-    with open(setup.file_dir / "shard-0" / "stripes" / ticket[1], "r+b") as f:
+    with open(setup.file_dir / "default" / "shard-0" / "stripes" / ticket[1], "r+b") as f:
         f.seek(offset)
         byte = f.read(1)[0]
         f.seek(offset)
