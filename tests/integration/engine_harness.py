@@ -159,7 +159,7 @@ def main(spec_path: str, out_path: str) -> None:
             from range_connector.backends.base import deployment_key_prefix
 
             prefix = deployment_key_prefix(step.get("deployment", "default"))  # tickets keys are per deployment
-            ticket = msgpack.unpackb(client.get(prefix.encode() + tkey))
+            ticket = msgpack.unpackb(client.get(prefix + tkey))
             key = f"{prefix}s:{ticket[1]}:0"  # layer 0 of the stripe
             offset = ticket[2] * ticket[7] + step.get("byte_offset", 0)  # inside the chunk's first block
             value = bytearray(client.get(key))
