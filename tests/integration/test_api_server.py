@@ -1,15 +1,14 @@
 """End to end through vLLM's OpenAI API server: the connector, enabled through the ``vllm.general_plugins`` entry
 point (no ``kv_connector_module_path``), saves a prompt's KV to embedded Valkey and loads it once vLLM's own prefix
-cache is reset; a server pointed at a Valkey URL where nothing listens fails at start-up, naming ``valkey_urls``.
+cache is reset; hostile ``kv_transfer_params`` are answered and counted; ``reset_external`` clears this
+deployment's tier entries only. (A start-up failure naming the key: ``test_engine_bad_config.py``.)
 
-One server start serves the positive tests (about 35-60 s on 2 cores); the negative test starts a second one that
-must exit on its own.
+One server start serves every test (about 35-60 s on 2 cores).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,6 @@ CHUNK_TOKENS = 256
 PROMPT_TOKENS = 600
 MAX_TOKENS = 16
 STARTUP_TIMEOUT_S = 300.0
-FAILED_START_EXIT_S = 120.0  # the bad-URL server is expected out in well under 90 s on an idle machine
 
 HITS = "vllm:external_prefix_cache_hits_total"
 QUERIES = "vllm:external_prefix_cache_queries_total"
@@ -114,37 +112,6 @@ def _send(server: ServerProcess, prompt: list[int]) -> Send:
         queries=round(after.get(QUERIES, 0.0) - before.get(QUERIES, 0.0)),
         local_hits=round(after.get(LOCAL_HITS, 0.0) - before.get(LOCAL_HITS, 0.0)),
     )
-
-
-@pytest.mark.timeout(300)
-def test_unreachable_valkey_url_fails_start_up(model_dir: Path, tmp_path: Path) -> None:
-    # Defined first in the module on purpose: it runs before the module-scoped ``server`` starts, so the machine
-    # never runs two engines at once.
-    proc = ServerProcess(
-        model_dir,
-        work_dir=tmp_path,
-        block_size=BLOCK_SIZE,
-        max_model_len=2048,
-        kv_transfer_config=connector_config({"valkey_urls": ["valkey://127.0.0.1:1"]}),
-    )
-    t0 = time.monotonic()
-    with proc:
-        code = proc.wait_exit(FAILED_START_EXIT_S)
-        elapsed_s = time.monotonic() - t0
-        log = proc.log_text()
-        assert code is not None, (
-            f"server with an unreachable valkey_urls still runs after {FAILED_START_EXIT_S:g} s; "
-            f"log:\n{proc.log_tail()}"
-        )
-        assert code != 0
-        assert "valkey_urls" in log, f"log does not name valkey_urls; last lines:\n{proc.log_tail()}"
-        assert "tiers[0].servers" in log  # the deprecation warning's new spelling
-        assert "127.0.0.1:1" in log
-    assert process_group_pids(proc.pid) == []
-    print(f"server with an unreachable Valkey URL exited with code {code} after {elapsed_s:.1f} s")
-    # No /health ever answered on it.
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(f"{proc.base_url}/health", timeout=2.0)
 
 
 @pytest.fixture(scope="module")

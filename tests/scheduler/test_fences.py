@@ -90,7 +90,7 @@ def test_mutation_the_saver_copies_the_blocks_when_it_writes(engine, monkeypatch
     def write_then_gather(self: StripeSaver, stripes: list, *args: Any) -> None:
         delays[0]("write")  # the copier's turn comes late
         real_write(self, [(s, backend, chunks, real_gather(self, *values.args) if isinstance(values, _GatherLater)
-                           else values) for s, backend, chunks, values in stripes], *args)
+                           else values, *rest) for s, backend, chunks, values, *rest in stripes], *args)
 
     monkeypatch.setattr(StripeSaver, "_gather_stripe", lambda self, *args: _GatherLater(*args))
     monkeypatch.setattr(StripeSaver, "_write_stripes", write_then_gather)

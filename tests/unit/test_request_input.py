@@ -122,7 +122,7 @@ hostile_params = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(params=hostile_params, salt=st.one_of(st.none(), json_leaf))
 def test_fuzz_the_parser_never_raises_and_keeps_its_bounds(params, salt) -> None:
     parsed = parse_request_input(params, cache_salt=salt)
@@ -150,7 +150,7 @@ _counter = iter(range(10 ** 9))
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.data_too_large])
 @given(params=hostile_params, salt=st.one_of(st.none(), st.sampled_from(["s", BIG_TEXT])),
