@@ -224,7 +224,10 @@ class ValkeyBackend(Backend):
             self._resp.close()
             self._client.close()
             raise
-        self.refresh_epoch()
+        try:  # (read directly, not through _call: construction is not counted among the tier's round trips)
+            self.epoch_hint = int(self._client.mget([f"{self.prefix}epoch"])[0] or 0)
+        except (vex.ValkeyError, OSError, ValueError):
+            self.epoch_hint = 0
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, commands: int, fn, deadline: float | None = None):
