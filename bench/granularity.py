@@ -262,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 # An open server, explicitly: the range_valkey rows measure the RESP reader without AUTH (embedded
                 # servers require a password by default); --security adds a second one whose password it sets.
-                urls = ensure_servers(2 if args.security else 1, runtime_dir, require_password=False)
+                # Every case's payload stays stored for the interleaved rounds: the limit holds them all (the
+                # TLS rows share the plain server).
+                cases_per_server = len(args.chunks) * (2 if args.security else 1)
+                limit_bytes = max(1 << 30, int(1.25 * cases_per_server * args.payload_bytes) + (256 << 20))
+                urls = ensure_servers(2 if args.security else 1, runtime_dir, require_password=False,
+                                      maxmemory_bytes=limit_bytes)
                 valkey_url = urls[0]
                 stats = ServerStats(valkey_url)
                 log(f"  valkey server {valkey_url} (runtime dir {runtime_dir})")

@@ -436,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="range-partition-"))
     cases: list[Case] = []
     try:
-        # Open servers, explicitly: the RESP path without AUTH is what is measured (a passworded URL would take
-        # valkey-py's slower path), with room for every case's payload (the cases are not removed in between).
+        # Open servers, explicitly: the RESP path without AUTH is what is measured (bench/granularity.py
+        # --security has AUTH and TLS beside it), with room for every case's payload (the cases are not removed
+        # in between).
         limit_bytes = max(1 << 30, 4 * args.payload_bytes)
         part_urls = ensure_servers(max(SHARD_COUNTS), tmp / "partitioned", require_password=False,
                                    maxmemory_bytes=limit_bytes)

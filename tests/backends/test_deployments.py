@@ -114,8 +114,7 @@ def test_a_save_in_flight_at_a_reset_stores_nothing_on_valkey(server: str, monke
     resetter = ValkeyBackend(server, deployment="alpha")
     try:
         s = make_stripe(50)
-        real = writer._resp_run if writer._resp is not None else writer._pipeline
-        name = "_resp_run" if writer._resp is not None else "_pipeline"
+        real, name = writer._resp_run, "_resp_run"
         calls = []
 
         def reset_first(*args, **kwargs):

@@ -18,7 +18,8 @@ from urllib.parse import urlparse
 import pytest
 import valkey
 
-from range_connector.backends.valkey.client import CALL_WORKERS, ValkeyBackend
+from range_connector.backends.valkey.calls import CALL_WORKERS
+from range_connector.backends.valkey.client import ValkeyBackend
 from range_connector.errors import BackendTimeoutError
 from tests.backends.conformance import MiB, make_stripe, read_whole
 

@@ -183,7 +183,7 @@ class TestValkeyFailures:
         s = make_stripe(1)
         b = ValkeyBackend(url, timeout_s=timeout_s, capacity_bytes=4 * s.nbytes)
         assert b.write_stripe(s.write) is True
-        data_path = "_resp_run" if b._resp is not None else "_pipeline"  # what sends the values (after the reservation)
+        data_path = "_resp_run"  # what sends the values (after the reservation)
         send = getattr(b, data_path)
         deadlines: list[float | None] = []
 

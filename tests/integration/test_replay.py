@@ -15,11 +15,17 @@ and rounded down to whole blocks. Checked:
   + failed`` with nothing failed, and the share served from the tier is the verified count over prompt tokens;
 * the report's prompt tokens equal the measured prompts' lengths; the JSON and both PNGs are written; the table
   shows the check and the engine's histogram percentiles next to the client's.
+
+The same engine then serves ``bench/replay.py --endpoint`` (the script as a user runs it, as a subprocess): its exit
+status, table, JSON and PNGs. (Its own engine start is the shared ``ServerProcess``; a second engine for it alone
+cost 80 s of ``make test``.)
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +44,8 @@ from range_connector.testing.client import scrape_metrics  # noqa: E402
 from range_connector.testing.server_process import ServerProcess, connector_config  # noqa: E402
 
 pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parents[2]
 
 BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
@@ -159,3 +167,30 @@ def test_replay_report_agrees_with_metrics_and_trace(server: ServerProcess, requ
     assert doc["reports"][0]["engine"]["connector_check"]["agrees"] is True
     print(table)
     print(f"expected hits per request: {expected}")
+
+
+@pytest.mark.timeout(300)
+def test_replay_script_against_the_running_engine(server: ServerProcess, tmp_path: Path) -> None:
+    num_requests, warmup = 6, 1
+    out = tmp_path / "replay.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "replay.py"), "--endpoint", server.base_url, "--metrics-url",
+         server.base_url, "--synthetic-requests", str(num_requests), "--warmup", str(warmup), "--time-scale", "0.1",
+         "--max-model-len", str(MAX_MODEL_LEN), "--seed", "5", "--no-progress", "--out", str(out)],
+        capture_output=True, text=True, timeout=280, cwd=str(REPO),
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "external hit tokens (vLLM, admitted)" in proc.stdout and "transform: tokens x 0.0625" in proc.stdout
+    hits_row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("hits == loaded + failed"))
+    assert hits_row.split()[-1] == "yes"  # vLLM's external hits agree with what Range loaded and verified
+    doc = json.loads(out.read_text())
+    (report,) = doc["reports"]
+    assert report["label"] == "endpoint" and report["summary"]["num_ok"] == num_requests - warmup
+    assert len(report["results"]) == num_requests - warmup and len(report["warmup_results"]) == warmup
+    engine = report["engine"]
+    assert engine["totals"]["prompt_tokens"] == report["summary"]["prompt_tokens"]
+    assert engine["totals"]["external_hit_tokens"] == report["summary"]["cached_tokens"]
+    assert doc["trace"]["format"] == "synthetic" and doc["machine"]["cpus"] >= 1
+    for suffix in ("-ttft-cdf.png", "-ttft-over-time.png"):
+        png = tmp_path / f"replay{suffix}"
+        assert png.stat().st_size > 1000, png

@@ -17,20 +17,17 @@ registered in that epoch; a clear in between makes the commit remove the values 
 Each call is one pipeline (or one script) with a deadline for the whole call; connection errors and timeouts become
 :class:`BackendError` / :class:`BackendTimeoutError` naming the server. Calls on the RESP path run in the caller's
 thread (every socket operation is bounded by the call's deadline); valkey-py calls run on the backend's executor of
-:data:`CALL_WORKERS` threads, and one that passes its deadline shuts down only the connection it borrowed.
+:data:`~range_connector.backends.valkey.calls.CALL_WORKERS` threads, and one that passes its deadline shuts down
+only the connection it borrowed (:mod:`~range_connector.backends.valkey.calls`).
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import ssl
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 
 import msgpack
 import valkey
@@ -40,10 +37,10 @@ from range_connector.backends.base import (
     Backend,
     Buffer,
     RangeRead,
-    ScatterDest,
     StripeWrite,
     deployment_key_prefix,
 )
+from range_connector.backends.valkey.calls import CallPool, CallRunner
 from range_connector.backends.valkey.pool import RespPool
 from range_connector.backends.valkey.resp import RespReplyTooLargeError, RespSetup
 from range_connector.backends.valkey.scripts import (
@@ -71,67 +68,6 @@ logger = logging.getLogger("vllm." + __name__)
 DEFAULT_MAX_BULK_BYTES = 512 * 1024 * 1024
 #: keys one SCAN step of :meth:`ValkeyBackend.clear` asks for (and one script call removes)
 CLEAR_BATCH_KEYS = 1000
-#: threads of one backend's executor for valkey-py calls (scripts, small commands): how many such calls of one shard
-#: run at once; more wait for a thread within their own deadline
-CALL_WORKERS = 4
-
-
-class _CallRecord:
-    """The valkey-py connections one call holds right now (added and removed by its executor thread, in
-    :class:`_CallPool`), and whether its caller gave up on it."""
-
-    __slots__ = ("aborted", "conns", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.conns: list = []
-        self.aborted = False
-
-    def abort(self) -> int:
-        """Give up on the call: shut down the sockets it holds (their reads end at once, and nothing sent after
-        this can be read from them) and refuse it further connections. Returns how many were shut down."""
-        with self.lock:
-            self.aborted = True
-            for conn in self.conns:
-                sock = getattr(conn, "_sock", None)  # (valkey-py's socket; None once disconnected)
-                if sock is not None:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:  # already closed by its thread
-                        pass
-            return len(self.conns)
-
-
-_current_call = threading.local()  # .record: the _CallRecord of the call this executor thread runs
-
-
-class _CallPool(valkey.ConnectionPool):
-    """valkey-py's connection pool, which also tells the call running on the borrowing thread (if any) which
-    connection it holds, so that a caller past its deadline can drop exactly that one."""
-
-    def get_connection(self, command_name, *keys, **options):
-        conn = super().get_connection(command_name, *keys, **options)
-        record: _CallRecord | None = getattr(_current_call, "record", None)
-        if record is not None:
-            with record.lock:
-                if not record.aborted:
-                    record.conns.append(conn)
-                    return conn
-            super().release(conn)  # (unused: still in sync)
-            raise vex.ConnectionError("the call was given up at its deadline")
-        return conn
-
-    def release(self, connection) -> None:
-        record: _CallRecord | None = getattr(_current_call, "record", None)
-        if record is not None:
-            with record.lock:
-                if connection in record.conns:
-                    record.conns.remove(connection)
-                if record.aborted:  # its socket may have been shut down: the next borrow reconnects
-                    connection.disconnect()
-        super().release(connection)
-
-
 class ValkeyBackend(Backend):
     """One shard on one Valkey server.
 
@@ -159,10 +95,6 @@ class ValkeyBackend(Backend):
 
     def __init__(self, url: str, timeout_s: float = 5.0, capacity_bytes: int | None = None, *,
                  access: ValkeyAccess | None = None, deployment: str = DEFAULT_DEPLOYMENT) -> None:
-        self._calls = ThreadPoolExecutor(max_workers=CALL_WORKERS, thread_name_prefix="range-valkey")
-        self._calls_lock = threading.Lock()
-        self._in_flight: set[_CallRecord] = set()
-        self._closed = False
         self.deployment = deployment
         #: the deployment's key prefix (str for the scripts, bytes for the data path)
         self.prefix = deployment_key_prefix(deployment)
@@ -175,6 +107,7 @@ class ValkeyBackend(Backend):
         #: the server as every message names it (credentials redacted)
         self.url = target.shown
         self.timeout_s = timeout_s
+        self._calls = CallRunner(self.url, timeout_s)
         self._client, setup = _clients_settings(target, access, timeout_s)
         try:
             self._client.ping()
@@ -205,7 +138,6 @@ class ValkeyBackend(Backend):
         self._forget = self._client.register_script(FORGET_LUA)
         self._release = self._client.register_script(RELEASE_LUA)
         self._lease = self._client.register_script(LEASE_LUA)
-        self._commit = self._client.register_script(COMMIT_LUA)
         self._clear = self._client.register_script(CLEAR_LUA)
         self._cleared = self._client.register_script(CLEARED_LUA)
         # The bulk data path (stripe values, tickets) goes through our own RESP connection, which reads replies
@@ -216,7 +148,7 @@ class ValkeyBackend(Backend):
         # Every URL kind takes it (TCP, unix socket, TLS; AUTH and SELECT sent once per connection); valkey-py,
         # with the same credentials and TLS settings, stays for scripts and small commands. One connection is
         # opened now, so that a refused AUTH or TLS handshake on this path fails at start-up too.
-        self._resp: RespPool | None = RespPool(target.host, target.port, timeout_s, max_connections=2, setup=setup)
+        self._resp = RespPool(target.host, target.port, timeout_s, max_connections=2, setup=setup)
         try:
             with self._resp.connection() as conn:
                 conn.execute([(b"PING",)])
@@ -231,54 +163,15 @@ class ValkeyBackend(Backend):
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, commands: int, fn, deadline: float | None = None):
-        """Run ``fn()`` (one valkey-py round trip) on the backend's executor within ``timeout_s`` for the whole call
-        (or until ``deadline``, a ``time.monotonic()`` time shared by the steps of one public call).
-
-        The socket timeout bounds each read; a server that trickles its reply would pass it, so the caller stops
-        waiting at the deadline. A call still waiting for a thread then never starts; one that runs has the
-        connection it borrowed shut down (which ends its thread's read at once, and a late reply can never be
-        read by a later call); other calls' connections, the saver's in flight among them, are left alone.
+        """Run ``fn()`` (one valkey-py round trip of ``commands`` commands) on the backend's executor within
+        ``timeout_s`` or until ``deadline`` (:meth:`CallRunner.run <range_connector.backends.valkey.calls.
+        CallRunner.run>`), and count it.
 
         Raises:
             BackendTimeoutError: no complete answer by the deadline.
             BackendError: the server refused or lost the call, or the backend is closed.
         """
-        wait_s = self.timeout_s if deadline is None else deadline - time.monotonic()
-        if wait_s <= 0:
-            raise BackendTimeoutError(f"{self.url}: no complete answer within {self.timeout_s:g} s")
-        record = _CallRecord()
-
-        def run():
-            if record.aborted:  # (its caller gave up while it waited for a thread)
-                raise BackendTimeoutError(f"{self.url}: given up before it started")
-            _current_call.record = record
-            try:
-                return fn()
-            finally:
-                _current_call.record = None
-
-        with self._calls_lock:
-            if self._closed:
-                raise BackendError(f"{self.url}: the backend is closed")
-            self._in_flight.add(record)
-            future = self._calls.submit(run)
-        try:
-            done = bool(wait_futures([future], timeout=wait_s).done)
-            if not done and not future.cancel():  # running: drop the connection it holds, and only that one
-                record.abort()
-        finally:
-            with self._calls_lock:
-                self._in_flight.discard(record)
-        if not done:
-            raise BackendTimeoutError(f"{self.url}: no complete answer within {self.timeout_s:g} s")
-        try:
-            out = future.result()
-        except BackendError:
-            raise
-        except vex.TimeoutError as exc:
-            raise BackendTimeoutError(f"{self.url}: no answer within the deadline ({exc})") from exc
-        except (vex.ValkeyError, OSError) as exc:
-            raise BackendError(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+        out = self._calls.run(fn, deadline)
         self._count(round_trips=1, commands=commands)
         return out
 
@@ -293,7 +186,6 @@ class ValkeyBackend(Backend):
     # ------------------------------------------------------------------ protocol
     def _resp_run(self, commands: list, dests: list | None = None, deadline: float | None = None) -> list:
         """One pipeline on the RESP path within ``timeout_s`` or until ``deadline`` (bulk replies into ``dests``)."""
-        assert self._resp is not None
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         wait_s = deadline - time.monotonic()
@@ -313,9 +205,7 @@ class ValkeyBackend(Backend):
     def get_tickets(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        if self._resp is not None:
-            return self._resp_run([(b"MGET", *[self._p + k for k in keys])])[0]
-        return self._call(1, lambda: self._client.mget([self._p + k for k in keys]))
+        return self._resp_run([(b"MGET", *[self._p + k for k in keys])])[0]
 
     def write_stripe(self, write: StripeWrite) -> bool:
         self._check_write(write)
@@ -348,16 +238,8 @@ class ValkeyBackend(Backend):
         # script, only if no clear came since the reservation.
         commit_args = [p.encode(), sid.encode(), str(len(views)).encode(), *[x for kv in tickets for x in kv]]
         try:
-            if self._resp is not None:
-                commands.append((b"EVAL", COMMIT_LUA.encode(), b"0", *commit_args))
-                committed = self._resp_run(commands, deadline=deadline)[-1]
-            else:
-                def fill(pipe) -> None:
-                    for command in commands:
-                        pipe.execute_command(*command)
-                    self._commit(args=commit_args, client=pipe)
-
-                committed = self._pipeline(len(commands) + 1, fill, deadline)[-1]
+            commands.append((b"EVAL", COMMIT_LUA.encode(), b"0", *commit_args))
+            committed = self._resp_run(commands, deadline=deadline)[-1]
         except BackendTimeoutError:
             raise  # no time left to clean up: the registered stripe ages out (its guard expires by itself)
         except BackendError:
@@ -381,53 +263,24 @@ class ValkeyBackend(Backend):
         now = repr(time.time()).encode()
         for sid in dict.fromkeys(r.stripe_id for r in reads):
             touch += [now, sid.encode()]
-        if self._resp is not None:
-            commands = []
-            for r in reads:
-                key = f"{self.prefix}s:{r.stripe_id}:{r.layer_idx}".encode()
-                if r.offset == 0 and r.length == r.value_bytes:
-                    commands.append((b"GET", key))
-                else:
-                    commands.append((b"GETRANGE", key, str(r.offset).encode(), str(r.offset + r.length - 1).encode()))
-            lengths = self._resp_run([*commands, tuple(touch)], [*(r.dest for r in reads), None])[:-1]
-            out = []
-            for r, n in zip(reads, lengths):
-                if n <= 0:  # GET of a missing key is nil; GETRANGE of one is ""
-                    out.append(False)
-                elif n != r.length:
-                    raise ValueError(f"{self.url}: stripe {r.stripe_id} layer {r.layer_idx} returned {n} bytes for "
-                                     f"the range [{r.offset}, {r.offset + r.length})")
-                else:
-                    out.append(True)
-            self._count(bytes_read=sum(r.length for r, ok in zip(reads, out) if ok))
-            return out
-
-        def fill(p) -> None:
-            for r in reads:
-                key = f"{self.prefix}s:{r.stripe_id}:{r.layer_idx}"
-                if r.offset == 0 and r.length == r.value_bytes:
-                    p.get(key)
-                else:
-                    p.getrange(key, r.offset, r.offset + r.length - 1)
-            p.execute_command(*touch)
-
-        replies = self._pipeline(len(reads) + 1, fill)[:-1]
-        out = []
-        nbytes = 0
-        for r, data in zip(reads, replies):
-            if not data:  # GET of a missing key is nil; GETRANGE of one is ""
-                out.append(False)
-                continue
-            if len(data) != r.length:
-                raise ValueError(f"{self.url}: stripe {r.stripe_id} layer {r.layer_idx} returned {len(data)} bytes "
-                                 f"for the range [{r.offset}, {r.offset + r.length})")
-            if isinstance(r.dest, ScatterDest):
-                r.dest.fill_from(data)
+        commands = []
+        for r in reads:
+            key = f"{self.prefix}s:{r.stripe_id}:{r.layer_idx}".encode()
+            if r.offset == 0 and r.length == r.value_bytes:
+                commands.append((b"GET", key))
             else:
-                r.dest[:] = data
-            nbytes += len(data)
-            out.append(True)
-        self._count(bytes_read=nbytes, allocations=len(reads), copy_launches=len(reads))
+                commands.append((b"GETRANGE", key, str(r.offset).encode(), str(r.offset + r.length - 1).encode()))
+        lengths = self._resp_run([*commands, tuple(touch)], [*(r.dest for r in reads), None])[:-1]
+        out = []
+        for r, n in zip(reads, lengths):
+            if n <= 0:  # GET of a missing key is nil; GETRANGE of one is ""
+                out.append(False)
+            elif n != r.length:
+                raise ValueError(f"{self.url}: stripe {r.stripe_id} layer {r.layer_idx} returned {n} bytes for "
+                                 f"the range [{r.offset}, {r.offset + r.length})")
+            else:
+                out.append(True)
+        self._count(bytes_read=sum(r.length for r, ok in zip(reads, out) if ok))
         return out
 
     def lease(self, stripe_ids: Sequence[str], ttl_s: float) -> str:
@@ -489,14 +342,8 @@ class ValkeyBackend(Backend):
     def close(self) -> None:
         """Close the connections and stop the executor: calls in flight are given up (their connections shut
         down), later calls raise :class:`BackendError`. Returns once the executor's threads have ended."""
-        with self._calls_lock:
-            self._closed = True
-            in_flight = list(self._in_flight)
-        for record in in_flight:
-            record.abort()
-        self._calls.shutdown(wait=True, cancel_futures=True)
-        if self._resp is not None:
-            self._resp.close()
+        self._calls.close()
+        self._resp.close()
         self._client.close()
         self._client.connection_pool.disconnect()
 
@@ -529,9 +376,9 @@ def _clients_settings(target: ServerUrl, access: ValkeyAccess, timeout_s: float)
     setup = RespSetup(unix_path=target.unix_path, db=target.db, username=username, password=password, tls=context,
                       name=target.shown)
     # valkey-py picks the connection class (TCP, unix socket, TLS) from these keywords; the pool is then rebuilt as a
-    # _CallPool of that class, so that a call past its deadline can drop exactly the connection it holds.
+    # CallPool of that class, so that a call past its deadline can drop exactly the connection it holds.
     plain = valkey.Valkey(**kw).connection_pool
-    pool = _CallPool(connection_class=plain.connection_class, **plain.connection_kwargs)
+    pool = CallPool(connection_class=plain.connection_class, **plain.connection_kwargs)
     plain.disconnect()
     return valkey.Valkey(connection_pool=pool), setup
 
