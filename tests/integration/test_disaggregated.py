@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 
 from range_connector.backends.latency import write_control_file  # noqa: E402
 from range_connector.backends.valkey.servers import stop_servers  # noqa: E402
+from range_connector.serving.engines import mismatched_settings  # noqa: E402
 from range_connector.testing.client import complete, reset_prefix_cache, scrape_metrics, wait_for_metric  # noqa: E402
 from range_connector.testing.processes import free_port  # noqa: E402
 from range_connector.testing.server_process import ServerProcess, connector_config  # noqa: E402
@@ -160,43 +161,25 @@ def test_save_that_times_out_is_not_announced_and_decode_computes_at_once(pd: PD
     assert "announced tokens arrived within" not in decode_log  # it never waited
 
 
-def test_a_decode_engine_of_another_block_size_gets_no_request_and_the_client_a_409_naming_it(pd: PD) -> None:
-    """A third real engine, a ``kv_consumer`` with block size 32 instead of 128, behind a second proxy with the
-    module's prefill engine: the proxy learns its settings from its describe probe and the prefill engine's from the
-    prefill answer, and answers HTTP 409 naming ``block_size`` with both values; that engine never sees the
-    request (its own prompt-token counter moves by the probe's one token at most)."""
-    if pd.kind != "gqa":
-        pytest.skip("made once, with the GQA engines (one more engine start)")
-    tmp = pd.decode.work_dir.parent
-    other = ServerProcess(pd.model, work_dir=tmp / "decode-block-32", block_size=32, max_model_len=2048,
-                          omp_threads_bind="1", kv_transfer_config=connector_config(
-                              {"runtime_dir": str(tmp / "runtime"), "chunk_tokens": CHUNK_TOKENS},
-                              role="kv_consumer"))
-    proxy_port = free_port()
-    with other:
-        other.wait_ready(timeout_s=400)
-        proxy = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from range_connector.cli import main; sys.exit(main())", "proxy",
-             "--prefill", pd.prefill.base_url, "--decode", other.base_url, "--port", str(proxy_port),
-             "--health-interval-s", "1"],
-            stdout=open(tmp / "proxy-block-32.log", "w"), stderr=subprocess.STDOUT)
-        try:
-            proxy_url = f"http://127.0.0.1:{proxy_port}"
-            _wait_http_ok(f"{proxy_url}/health", 60)
-            before = scrape_metrics(other.base_url).get(PROMPT_TOKENS_TOTAL, 0.0)
-            reply = httpx.post(f"{proxy_url}/v1/completions", timeout=120, json={
-                "model": str(pd.model), "prompt": pd.prompts[0][:300], "max_tokens": 2})
-            after = scrape_metrics(other.base_url).get(PROMPT_TOKENS_TOTAL, 0.0)
-        finally:
-            proxy.terminate()
-            proxy.wait(timeout=30)
-    assert reply.status_code == 409, reply.text
-    error = reply.json()["error"]
-    assert error["mismatches"]["block_size"] == {"prefill": BLOCK_SIZES["gqa"], "decode": 32}
-    assert "block_size" in error["message"]
-    # the describe probe (one prompt token, sent when the proxy first needs the engine's settings) is the only
-    # request the block-32 engine served
-    assert after - before in (0.0, 1.0)
+def test_the_proxy_holds_each_decode_engines_own_settings_from_its_describe_probe(pd: PD) -> None:
+    """The settings the proxy compares come from the engines themselves: the decode engine's describe answer (held in
+    ``/proxy/status`` once the proxy has probed it) names its real block size (16 for MLA, 128 for GQA on this
+    build) and equals what the prefill engine describes of itself. (What the proxy does with settings that differ, a
+    409 naming the key and the mismatched engine passed over, is tested against stub engines in
+    tests/unit/test_proxy.py; that real engines name a block size the other side does not share, in
+    tests/integration/test_engine_tensor_parallel.py.)"""
+    _through_proxy(pd, pd.prompts[2][:300])  # (the proxy probes a decode engine when it first needs its settings)
+    status = httpx.get(f"{pd.proxy_url}/proxy/status", timeout=10).json()
+    (decode,) = [engine for engine in status["engines"] if engine["kind"] == "decode"]
+    assert decode["settings"] is not None, status
+    assert decode["settings"]["block_size"] == BLOCK_SIZES[pd.kind]
+    # a prefill request as the proxy sends it, straight to the prefill engine: its announcement names its settings
+    answer = httpx.post(f"{pd.prefill.base_url}/v1/completions", timeout=120, json={
+        "model": str(pd.model), "prompt": pd.prompts[1][:300], "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    prefill_settings = answer["kv_transfer_params"]["range"]["settings"]
+    assert prefill_settings["block_size"] == BLOCK_SIZES[pd.kind]
+    assert mismatched_settings(prefill_settings, decode["settings"]) == {}
 
 
 def test_decode_engine_killed_mid_replay_gives_clean_errors_and_the_proxy_stays_up(pd: PD) -> None:

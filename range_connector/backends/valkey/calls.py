@@ -4,11 +4,15 @@ A call that passes its deadline while it runs has the connection it borrowed shu
 thread's read ends at once, a late reply can never be read by a later call, and other calls' connections (the
 saver's in flight among them) are left alone. (A new thread per call, or a pool-wide disconnect at a timeout, was
 what this replaced: threads grew with calls, and one timeout killed the saver's write.)
+
+:func:`clients_for` makes the valkey-py client (on a :class:`CallPool`) and the RESP connections' setup of one server
+from the same URL and access settings.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +23,8 @@ from typing import TypeVar
 import valkey
 import valkey.exceptions as vex
 
+from range_connector.backends.valkey.resp import RespSetup
+from range_connector.backends.valkey.urls import ServerUrl, ValkeyAccess, tls_context
 from range_connector.errors import BackendError, BackendTimeoutError
 
 #: threads of one backend's executor for valkey-py calls (scripts, small commands): how many such calls of one shard
@@ -158,3 +164,38 @@ class CallRunner:
         for record in in_flight:
             record.abort()
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def clients_for(target: ServerUrl, access: ValkeyAccess, timeout_s: float) -> tuple[valkey.Valkey, RespSetup]:
+    """The valkey-py client and the RESP connections' setup of one server, from the same URL and access settings.
+
+    Raises:
+        BackendError: TLS files for a URL that is not TLS, or TLS files that cannot be loaded.
+    """
+    if access.has_tls_files and not target.tls:
+        raise BackendError(f"{target.shown}: TLS files are set (tiers[i].security.tls_*) but the URL is not "
+                           "valkeys://")
+    username, password = access.credentials(target)
+    context = None
+    kw: dict = {"db": target.db, "username": username, "password": password, "socket_timeout": timeout_s,
+                "socket_connect_timeout": timeout_s, "health_check_interval": 0}
+    if target.unix_path is not None:
+        kw["unix_socket_path"] = target.unix_path
+    else:
+        kw.update(host=target.host, port=target.port)
+    if target.tls:
+        try:
+            context = tls_context(access)
+        except (OSError, ssl.SSLError) as exc:
+            raise BackendError(f"{target.shown}: cannot load the TLS files ({exc})") from None
+        kw.update(ssl=True, ssl_ca_certs=access.tls_ca_file or None, ssl_certfile=access.tls_cert_file or None,
+                  ssl_keyfile=access.tls_key_file or None, ssl_cert_reqs="required", ssl_check_hostname=True,
+                  ssl_min_version=ssl.TLSVersion.TLSv1_2)
+    setup = RespSetup(unix_path=target.unix_path, db=target.db, username=username, password=password, tls=context,
+                      name=target.shown)
+    # valkey-py picks the connection class (TCP, unix socket, TLS) from these keywords; the pool is then rebuilt as a
+    # CallPool of that class, so that a call past its deadline can drop exactly the connection it holds.
+    plain = valkey.Valkey(**kw).connection_pool
+    pool = CallPool(connection_class=plain.connection_class, **plain.connection_kwargs)
+    plain.disconnect()
+    return valkey.Valkey(connection_pool=pool), setup

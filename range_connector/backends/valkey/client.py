@@ -24,13 +24,11 @@ only the connection it borrowed (:mod:`~range_connector.backends.valkey.calls`).
 from __future__ import annotations
 
 import logging
-import ssl
 import time
 import uuid
 from collections.abc import Sequence
 
 import msgpack
-import valkey
 import valkey.exceptions as vex
 
 from range_connector.backends.base import (
@@ -40,9 +38,9 @@ from range_connector.backends.base import (
     StripeWrite,
     deployment_key_prefix,
 )
-from range_connector.backends.valkey.calls import CallPool, CallRunner
+from range_connector.backends.valkey.calls import CallRunner, clients_for
 from range_connector.backends.valkey.pool import RespPool
-from range_connector.backends.valkey.resp import RespReplyTooLargeError, RespSetup
+from range_connector.backends.valkey.resp import RespReplyTooLargeError
 from range_connector.backends.valkey.scripts import (
     CLEAR_LUA,
     CLEARED_LUA,
@@ -53,11 +51,9 @@ from range_connector.backends.valkey.scripts import (
     RESERVE_LUA,
 )
 from range_connector.backends.valkey.urls import (
-    ServerUrl,
     ValkeyAccess,
     parse_server_url,
     redact_url,
-    tls_context,
 )
 from range_connector.config.keys import DEFAULT_DEPLOYMENT
 from range_connector.errors import BackendError, BackendTimeoutError
@@ -108,7 +104,7 @@ class ValkeyBackend(Backend):
         self.url = target.shown
         self.timeout_s = timeout_s
         self._calls = CallRunner(self.url, timeout_s)
-        self._client, setup = _clients_settings(target, access, timeout_s)
+        self._client, setup = clients_for(target, access, timeout_s)
         try:
             self._client.ping()
             limits = self._client.config_get("proto-max-bulk-len")
@@ -346,41 +342,6 @@ class ValkeyBackend(Backend):
         self._resp.close()
         self._client.close()
         self._client.connection_pool.disconnect()
-
-
-def _clients_settings(target: ServerUrl, access: ValkeyAccess, timeout_s: float) -> tuple[valkey.Valkey, RespSetup]:
-    """The valkey-py client and the RESP connections' setup of one server, from the same URL and access settings.
-
-    Raises:
-        BackendError: TLS files for a URL that is not TLS, or TLS files that cannot be loaded.
-    """
-    if access.has_tls_files and not target.tls:
-        raise BackendError(f"{target.shown}: TLS files are set (tiers[i].security.tls_*) but the URL is not "
-                           "valkeys://")
-    username, password = access.credentials(target)
-    context = None
-    kw: dict = {"db": target.db, "username": username, "password": password, "socket_timeout": timeout_s,
-                "socket_connect_timeout": timeout_s, "health_check_interval": 0}
-    if target.unix_path is not None:
-        kw["unix_socket_path"] = target.unix_path
-    else:
-        kw.update(host=target.host, port=target.port)
-    if target.tls:
-        try:
-            context = tls_context(access)
-        except (OSError, ssl.SSLError) as exc:
-            raise BackendError(f"{target.shown}: cannot load the TLS files ({exc})") from None
-        kw.update(ssl=True, ssl_ca_certs=access.tls_ca_file or None, ssl_certfile=access.tls_cert_file or None,
-                  ssl_keyfile=access.tls_key_file or None, ssl_cert_reqs="required", ssl_check_hostname=True,
-                  ssl_min_version=ssl.TLSVersion.TLSv1_2)
-    setup = RespSetup(unix_path=target.unix_path, db=target.db, username=username, password=password, tls=context,
-                      name=target.shown)
-    # valkey-py picks the connection class (TCP, unix socket, TLS) from these keywords; the pool is then rebuilt as a
-    # CallPool of that class, so that a call past its deadline can drop exactly the connection it holds.
-    plain = valkey.Valkey(**kw).connection_pool
-    pool = CallPool(connection_class=plain.connection_class, **plain.connection_kwargs)
-    plain.disconnect()
-    return valkey.Valkey(connection_pool=pool), setup
 
 
 def _check_reads(name: str, reads: Sequence[RangeRead]) -> None:
