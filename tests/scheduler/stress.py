@@ -422,6 +422,9 @@ def _verify(eng: RealEngine, prompts: list[list[int]], tracker: CopyTracker, rep
     report.saved_chunks = len(saved)
     verified: set[ChunkHash] = set()
     for i, p in enumerate(dict.fromkeys(tuple(p) for p in prompts)):
+        # The previous request's background writes end first: one still in flight when ``stored`` is read could land
+        # before this request's lookup, which would then (rightly) load a chunk more than was counted.
+        assert eng.worker.wait_for_saves(WIDE_S)
         eng.scheduler.reset_prefix_cache()
         request = eng.add(f"v{i}", list(p) + prompt(1, 5000 + i), max_tokens=1)
         chain = eng.range._chain(request)[0]
