@@ -56,6 +56,12 @@ class _Planned:
     preempted: bool
     finished: bool = False  # vLLM finished the request before the load was reported
     failed_from: int | None = None
+    chunk_tiers: dict[int, str] = field(default_factory=dict)  # chunk_idx -> the tier type it is loaded from
+
+
+def tier_key(key: str, tier: str) -> str:
+    """The stats key of counter ``key`` for one tier (``loaded_tokens@memory``): a labelled Prometheus child."""
+    return f"{key}@{tier}"
 
 
 @dataclass
@@ -81,9 +87,11 @@ class LoadTally:
         ("loaded_tokens", "failed_tokens", "aborted_tokens", "preempted_load_tokens"), 0))
     _planned: dict[str, _Planned] = field(default_factory=dict)
 
-    def plan(self, req_id: str, chunk_tokens: list[tuple[int, int]], *, is_async: bool, preempted: bool) -> None:
-        """Record the load vLLM committed to (``chunk_tokens`` from :func:`tokens_per_chunk`)."""
-        self._planned[req_id] = _Planned(chunk_tokens, is_async, preempted)
+    def plan(self, req_id: str, chunk_tokens: list[tuple[int, int]], *, is_async: bool, preempted: bool,
+             chunk_tiers: dict[int, str] | None = None) -> None:
+        """Record the load vLLM committed to (``chunk_tokens`` from :func:`tokens_per_chunk`; ``chunk_tiers``: the
+        tier type each chunk comes from, counted under :func:`tier_key` ``("loaded_tokens", tier)`` as well)."""
+        self._planned[req_id] = _Planned(chunk_tokens, is_async, preempted, chunk_tiers=dict(chunk_tiers or {}))
 
     def request_finished(self, req_id: str) -> None:
         """vLLM finished the request; an asynchronous load not yet reported was aborted."""
@@ -111,6 +119,11 @@ class LoadTally:
                     sum(n for c, n in planned.chunk_tokens if c >= planned.failed_from)
                 self.counts["failed_tokens"] += failed
                 self.counts["loaded_tokens"] += total - failed
+                for c, n in planned.chunk_tokens:
+                    tier = planned.chunk_tiers.get(c)
+                    if tier is not None and (planned.failed_from is None or c < planned.failed_from):
+                        key = tier_key("loaded_tokens", tier)
+                        self.counts[key] = self.counts.get(key, 0) + n
             if planned.preempted:
                 self.counts["preempted_load_tokens"] += total
 
@@ -151,5 +164,14 @@ PROM_GATE = ("vllm:range_gate_decisions", "Hits the cost-model gate took, shorte
 PROM_REJECTED = ("vllm:range_rejected_request_inputs",
                  "Requests whose kv_transfer_params, cache salt, media ids or LoRA name Range dropped (wrong type or "
                  "over its bound), by kind: the request was served without that part (docs/security.md).")
+#: counters with a ``tier`` label: stats key (per tier: :func:`tier_key`) -> (Prometheus name, help)
+PROM_TIER_COUNTERS: dict[str, tuple[str, str]] = {
+    "loaded_tokens": ("vllm:range_tier_loaded_tokens",
+                      "Prompt tokens Range loaded and verified, by the tier they came from (tiers[i].type)."),
+    "promoted_chunks": ("vllm:range_tier_promoted_chunks",
+                        "Chunks loaded from a farther tier that Range planned to copy into this tier (DRAM)."),
+    "evicted_chunks": ("vllm:range_tier_evicted_chunks",
+                       "Chunks the tier evicted to stay within its byte budget (the DRAM tier, each worker)."),
+}
 GATE_DECISIONS: dict[str, str] = {"decisions_taken": "taken", "decisions_shortened": "shortened",
                                   "decisions_refused": "refused", "decisions_probes": "probe"}

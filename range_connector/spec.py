@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from range_connector import compat
-from range_connector.backends.factory import open_shard_backends
+from range_connector.backends.factory import open_scheduler_backends, open_worker_backends
 from range_connector.config import RangeConfig
 from range_connector.errors import ConfigError
 from range_connector.kv.heads import RankLayout, group_view, rank_layout
@@ -65,7 +65,7 @@ def deployment_plan(config: RangeConfig, cp: compat.ContextParallel, block_size:
     """
     num_writers = cp.dcp_size if cp.dcp_size > 1 else cp.pcp_size
     if num_writers > 1:
-        if config.tier.type == "memory":
+        if config.has_memory_tier:
             raise ConfigError(config.tier.key_name("type"), f"the in-process DRAM tier cannot serve {num_writers} "
                                                             "context-parallel ranks; use valkey or file")
         if not num_shards_set:
@@ -188,7 +188,7 @@ class RangeSpec:
                                        num_shards_set="num_shards" in extra or bool(parsed.tier.servers))
         total_heads, local_heads, tp_size = compat.kv_heads(vllm_config, group)
         ranks = rank_layout(total_heads, tp_size, local_heads=local_heads,
-                            process_local=config.tier.type == "memory")
+                            process_local=config.has_memory_tier)
         if cp.dcp_size > 1 and ranks.num_groups > 1:
             raise ConfigError("decode_context_parallel_size", f"is {cp.dcp_size} with KV heads split over "
                                                               f"{tp_size} tensor-parallel ranks, which "
@@ -206,13 +206,19 @@ class RangeSpec:
         """The scheduler half (engine-core process); it opens the remote tiers' backends (the DRAM tier's index
         lives in it, its bytes in the workers)."""
         config = self.config
-        backends = open_shard_backends(config) if config.tier.type != "memory" else None
+        backends = open_scheduler_backends(config)
         return RangeScheduler(
             config, self.namespace, self.group.block_size * self.cp.dcp_size, backends,
             can_load=self.kv_role in LOADING_ROLES, can_save=self.kv_role in SAVING_ROLES,
             num_layers=len(self.group.layer_names), layer_block_bytes=self.group.page_size_bytes,
             settings=producer_settings(self.namespace_fields), plan=self.plan, groups=self.ranks.groups,
             num_saving_ranks=sum(self.ranks.writers) * self.plan.num_writers)
+
+    @property
+    def far_writes(self) -> str:
+        """How saves reach the tiers past the nearest: in the step for a producer (its answer promises KV on shared
+        storage), else on each shard's far-writer thread."""
+        return "sync" if self.kv_role == "kv_producer" else "async"
 
     def rank_view(self, meta: RangeConnectorMetadata) -> RangeConnectorMetadata:
         """The scheduler's metadata as this rank's worker sees it: each chunk's tickets cut to the rank's ticket
@@ -230,11 +236,13 @@ class RangeSpec:
             router = PcpWorkerRouter(
                 config, plan, rank, compat.cp_process_group(dcp=plan.splits_blocks), group.block_size,
                 group.layer_names, self.num_blocks,
-                open_shard_backends(config, shards_of_rank(rank, plan.num_writers, plan.num_shards)),
+                open_worker_backends(config, shards_of_rank(rank, plan.num_writers, plan.num_shards),
+                                     far_writes=self.far_writes),
                 tp_rank=self.tp_rank, **heads)
             return router.worker, router
         worker = RangeWorker(config, group.block_size, group.layer_names, self.num_blocks,
-                             open_shard_backends(config), tp_rank=self.tp_rank, **heads)
+                             open_worker_backends(config, far_writes=self.far_writes), tp_rank=self.tp_rank,
+                             **heads)
         if compat.mla_layer_hooks_missing(group.is_mla) and os.environ.get(NO_MLA_FALLBACK_ENV) != "1":
             logger.warning("Range: MLA attention on this platform takes its direct-call branch, which does not "
                            "call the connector's per-layer hooks, and the engine patch is not applied "

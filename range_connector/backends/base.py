@@ -147,14 +147,18 @@ class StripeWrite:
         layer_values: ``[num_layers]`` buffers of equal size, ``[num_planes, stripe_blocks, row_bytes]`` each.
         tickets: ``(ticket key, encoded ticket)`` of every chunk in the stripe.
         epoch: the shared tier's reset epoch the save was gathered in (:attr:`Backend.epoch_hint` then), or
+    tiers: tuple[int, ...] | None = None
             ``None``: the tier's epoch when the write reserves its stripe. A write gathered in an older epoch than the
-            tier's stores nothing (a reset came between the gathering and the write).
+            tier's stores nothing (a reset came between the gathering and the write). (A tier hierarchy's hint is
+            one epoch per tier: :class:`~range_connector.backends.tiered.TieredBackend`.)
+        tiers: in a tier hierarchy, the tiers to write (indices, nearest first); ``None``: all of them.
     """
 
     stripe_id: str
     layer_values: Sequence[Buffer]
     tickets: Sequence[tuple[bytes, bytes]]
     epoch: int | None = None
+    tiers: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -275,6 +279,14 @@ class Backend(abc.ABC):
         reference, not the bytes). One round trip.
         """
         raise NotImplementedError(f"{self.name} cannot lend views")
+
+    def serves_views(self, stripe_id: str) -> bool:
+        """Whether :meth:`view_stripes` can lend this stripe (a tier hierarchy answers per stripe)."""
+        return self.supports_views
+
+    def serves_scatter(self, stripe_id: str) -> bool:
+        """Whether a read of this stripe takes a :class:`ScatterDest` (a tier hierarchy answers per stripe)."""
+        return self.supports_scatter
 
     def ping(self) -> None:
         """Check that the tier answers. Raises BackendTimeoutError, BackendError."""

@@ -1,4 +1,4 @@
-"""Open the configured tier: one backend per shard."""
+"""Open the configured tiers: one backend per shard of each (a tier hierarchy: one composite per shard)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from range_connector.backends.base import Backend
 from range_connector.backends.memory import MemoryBackend
+from range_connector.backends.tiered import TieredBackend, leaf_backends
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError, ConfigError
 
@@ -107,6 +108,65 @@ def open_shard_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = 
     return slow_down(backends, control, timeout_s=tier.timeout_s)
 
 
+def open_tier_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = None, *,
+                       far_writes: str = "async", skip_memory: bool = False) -> list[list[Backend] | None]:
+    """Open every tier's backends (:func:`open_shard_backends` of each tier, nearest first).
+
+    Args:
+        config: the resolved config.
+        shard_idxs: as :func:`open_shard_backends`.
+        skip_memory: leave the DRAM tier out (``None`` in its place): the scheduler's side, where it does not live.
+
+    Returns:
+        ``[num_tiers]`` lists of ``[len(shard_idxs)]`` backends (``None``: a skipped DRAM tier).
+
+    Raises:
+        ConfigError: as :func:`open_shard_backends`, naming the tier (``tiers[i]....``); the tiers opened before
+            are closed.
+    """
+    opened: list[list[Backend] | None] = []
+    try:
+        for i, tier in enumerate(config.tiers):
+            skip = skip_memory and tier.type == "memory"
+            opened.append(None if skip else open_shard_backends(config.for_tier(i), shard_idxs))
+    except ConfigError:
+        for b in leaf_backends(b for tier in opened if tier for b in tier):
+            b.close()
+        raise
+    return opened
+
+
+def open_worker_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = None, *,
+                         far_writes: str = "async") -> list[Backend]:
+    """A worker's backends: :func:`open_shard_backends` of the one tier, or with several tiers one
+    :class:`~range_connector.backends.tiered.TieredBackend` per shard over all of them.
+
+    Raises:
+        ConfigError: as :func:`open_tier_backends`.
+    """
+    if len(config.tiers) == 1:
+        return open_shard_backends(config, shard_idxs)
+    tiers = open_tier_backends(config, shard_idxs)
+    return [TieredBackend([t[k] for t in tiers if t is not None], far_writes=far_writes,  # type: ignore[index]
+                          max_backlog_bytes=config.save_backlog_bytes)
+            for k in range(len(tiers[0] or ()))]
+
+
+def open_scheduler_backends(config: RangeConfig) -> list[Backend] | None:
+    """The scheduler's backends, ``[num_shards]``: ``None`` for the DRAM tier alone (its index lives in the
+    scheduler); with several tiers one :class:`~range_connector.backends.tiered.TieredBackend` per shard whose DRAM
+    slot is ``None`` (leases and resets of the far tiers go through it).
+
+    Raises:
+        ConfigError: as :func:`open_tier_backends`.
+    """
+    if len(config.tiers) == 1:
+        return open_shard_backends(config) if config.tier.type != "memory" else None
+    tiers = open_tier_backends(config, skip_memory=True)
+    far = next(t for t in tiers if t is not None)
+    return [TieredBackend([t[k] if t is not None else None for t in tiers]) for k in range(len(far))]
+
+
 def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
     tier = config.tier
     if tier.type == "memory":
@@ -150,7 +210,7 @@ def valkey_access(config: RangeConfig) -> ValkeyAccess:
     from range_connector.backends.valkey.urls import ValkeyAccess
 
     sec = config.tier.security
-    return ValkeyAccess(username=sec.username or None, password=sec.password(),
+    return ValkeyAccess(username=sec.username or None, password=sec.password(f"tiers[{config.tier.index}].security"),
                         tls_ca_file=_path(sec.tls_ca_file), tls_cert_file=_path(sec.tls_cert_file),
                         tls_key_file=_path(sec.tls_key_file))
 

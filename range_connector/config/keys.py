@@ -76,7 +76,10 @@ class Key:
 
 ENGINE_KEYS: tuple[Key, ...] = (
     Key("tiers", "tiers", "-", None, "one valkey tier with embedded servers",
-        "The storage tiers, nearest first: a list of tier tables (below). One tier at a time for now."),
+        "The storage tiers, nearest first: a list of one to three tier tables (below), each type at most once, "
+        "`memory` only first. A hit is the longest prefix of chunks each held by some tier; each chunk is loaded from "
+        "the nearest tier that holds it. Saves write every tier (write-through: the far tiers after the nearest, "
+        "on the saver's thread, or in the step for a `kv_producer`). See docs/tiers.md."),
     Key("num_shards", "int", "shards", 1, "the tier's number of servers, else the context-parallel size, else 1",
         "Number of disjoint slices of every chunk, one backend (server or directory) each."),
     Key("chunk_tokens", "int", "tokens", None, f"{DEFAULT_CHUNK_TOKENS} rounded up to block_size x num_shards",
@@ -114,6 +117,10 @@ ENGINE_KEYS: tuple[Key, ...] = (
         "attention."),
     Key("lease_ttl_s", "float", "s", 60.0, "60.0", "Lifetime of a lease taken on promised stripes if it is never "
         "released."),
+    Key("promote_after_hits", "int", "hits", 2, "2", "With a `memory` tier in front of others: a chunk loaded "
+        "from a farther tier is copied into DRAM at its this-many-th load from there (counted over the last 65,536 "
+        "chunks so loaded), so that a prompt seen once does not flush the hot set; 1 promotes at every load, 0 "
+        "never.", allow_zero=True),
     Key("num_banks", "int", "banks", 4, "4", "Transfer banks (staging buffers) per worker; a load uses them layer "
         "group by layer group."),
     Key("bank_bytes", "int", "bytes", 64 << 20, "67108864",

@@ -26,6 +26,7 @@ from range_connector.config.keys import (
     SECURITY_KEYS,
     TESTING_KEYS,
     TIER_KEYS,
+    TIER_TYPES,
     Key,
     by_name,
 )
@@ -69,11 +70,11 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> tuple[dict[str, Any],
               if name in _ENGINE and name != "tiers"}
     if "tiers" in extra:
         tiers = _parse_tiers(extra["tiers"])
-        servers_key = "tiers[0].servers"
+        at = next((i for i, t in enumerate(tiers) if t.get("servers")), 0)
+        _check_contradictions(engine, tiers[at], f"tiers[{at}].servers")
     else:
         tiers = [_shorthand_tier(extra, flat)]
-        servers_key = "valkey_urls"
-    _check_contradictions(engine, tiers[0], servers_key)
+        _check_contradictions(engine, tiers[0], "valkey_urls")
     return engine, tiers
 
 
@@ -140,10 +141,20 @@ def _check_sign(key: Key, value: float, path: str) -> None:
 def _parse_tiers(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, (list, tuple)) or not value:
         raise ConfigError("tiers", f"{value!r} is not a non-empty list of tier tables")
-    if len(value) > 1:
-        raise ConfigError("tiers", f"{len(value)} tiers given: one tier at a time for now (a hierarchy of tiers is "
-                                   "not supported yet)")
-    return [_parse_tier(table, f"tiers[{i}]") for i, table in enumerate(value)]
+    if len(value) > len(TIER_TYPES):
+        raise ConfigError("tiers", f"{len(value)} tiers given: at most {len(TIER_TYPES)}, one of each type "
+                                   f"({', '.join(TIER_TYPES)})")
+    tiers = [_parse_tier(table, f"tiers[{i}]") for i, table in enumerate(value)]
+    seen: dict[str, int] = {}
+    for i, tier in enumerate(tiers):
+        if tier["type"] in seen:
+            raise ConfigError(f"tiers[{i}].type", f"{tier['type']!r} is tiers[{seen[tier['type']]}].type already: "
+                                                  "each type at most once")
+        seen[tier["type"]] = i
+        if tier["type"] == "memory" and i > 0:
+            raise ConfigError(f"tiers[{i}].type", "'memory' is the in-process DRAM tier, nearest of all: it can "
+                                                  "only be tiers[0]")
+    return tiers
 
 
 def _parse_tier(table: Any, path: str) -> dict[str, Any]:

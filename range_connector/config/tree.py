@@ -46,17 +46,17 @@ class TierSecurity:
     tls_cert_file: str = ""
     tls_key_file: str = ""
 
-    def password(self) -> str | None:
+    def password(self, path: str = "tiers[0].security") -> str | None:
         """The password from ``password_env`` (``None`` when no variable is named).
 
         Raises:
-            ConfigError: the named variable is not set or empty (names ``tiers[0].security.password_env``).
+            ConfigError: the named variable is not set or empty (names ``<path>.password_env``).
         """
         if not self.password_env:
             return None
         value = os.environ.get(self.password_env)
         if not value:
-            raise ConfigError("tiers[0].security.password_env",
+            raise ConfigError(f"{path}.password_env",
                               f"the environment variable {self.password_env!r} is not set (or empty)")
         return value
 
@@ -112,6 +112,8 @@ class TierConfig:
     testing: TierTesting = field(default_factory=TierTesting)
     #: written as the flat one-tier shorthand (errors then name the flat keys the user wrote)
     shorthand: bool = field(default=False, compare=False)
+    #: its place in ``tiers`` (0: the nearest), for error messages and metric labels
+    index: int = field(default=0, compare=False)
 
     def key_name(self, name: str) -> str:
         """How the user spelled this tier's key ``name`` (``"servers"``, ``"testing.control_file"``...): the flat
@@ -120,7 +122,7 @@ class TierConfig:
             for flat, target in FLAT_TIER_KEYS.items():
                 if target == name and (flat not in FLAT_CAPACITY_TYPES or self.type in FLAT_CAPACITY_TYPES[flat]):
                     return flat
-        return f"tiers[0].{name}"
+        return f"tiers[{self.index}].{name}"
 
     @property
     def embedded(self) -> bool:
@@ -187,6 +189,7 @@ class RangeConfig:
     calibration_file: str | None = None
     verify_checksums: bool = True
     lease_ttl_s: float = 60.0
+    promote_after_hits: int = 2
     num_banks: int = 4
     bank_bytes: int = 64 << 20
     deployment: str = DEFAULT_DEPLOYMENT
@@ -210,16 +213,26 @@ class RangeConfig:
         shorthand = not (extra and "tiers" in extra)
         built = tuple(TierConfig(**{k: v for k, v in tier.items() if k not in ("security", "testing")},
                                  security=TierSecurity(**tier.get("security", {})),
-                                 testing=TierTesting(**tier.get("testing", {})), shorthand=shorthand)
-                      for tier in tiers)
+                                 testing=TierTesting(**tier.get("testing", {})), shorthand=shorthand, index=i)
+                      for i, tier in enumerate(tiers))
         for tier in built:
             tier.check()
         return cls(tiers=built, **engine)
 
     @property
     def tier(self) -> TierConfig:
-        """The tier (one at a time for now: the first of :attr:`tiers`)."""
+        """The nearest tier (``tiers[0]``); with several tiers, :meth:`for_tier` gives each its own view."""
         return self.tiers[0]
+
+    def for_tier(self, index: int) -> RangeConfig:
+        """This config as if ``tiers[index]`` were its only tier (what one tier's backends, lookup and gate read:
+        its ``timeout_s``, ``retry_s``, budget...); the tier keeps its index for messages."""
+        return dataclasses.replace(self, tiers=(self.tiers[index],))
+
+    @property
+    def has_memory_tier(self) -> bool:
+        """Whether the in-process DRAM tier is one of the tiers (then it is ``tiers[0]``)."""
+        return self.tiers[0].type == "memory"
 
     def with_tier(self, **changes: Any) -> RangeConfig:
         """A copy whose tier has ``changes`` (``dataclasses.replace`` on :attr:`tier`)."""

@@ -17,7 +17,10 @@ from range_connector.metrics import (
     PROM_COUNTERS,
     PROM_GATE,
     PROM_REJECTED,
+    PROM_TIER_COUNTERS,
+    tier_key,
 )
+from range_connector.config.keys import TIER_TYPES
 from range_connector.scheduler.request_input import REJECTION_STATS
 
 if TYPE_CHECKING:
@@ -68,6 +71,11 @@ class RangePromMetrics(KVConnectorPromMetrics):
         for key, decision in GATE_DECISIONS.items():
             self._counters[key] = {idx: gate.labels(*values, decision)
                                    for idx, values in per_engine_labelvalues.items()}
+        for key, (name, doc) in PROM_TIER_COUNTERS.items():
+            by_tier = self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "tier"])
+            for tier in TIER_TYPES:
+                self._counters[tier_key(key, tier)] = {idx: by_tier.labels(*values, tier)
+                                                       for idx, values in per_engine_labelvalues.items()}
         rejected = self._counter_cls(name=PROM_REJECTED[0], documentation=PROM_REJECTED[1],
                                      labelnames=[*labelnames, "kind"])
         for kind, key in REJECTION_STATS.items():

@@ -62,6 +62,8 @@ class RequestTransfer:
             top of them): a worker skips the save if one of them failed to load in a step whose report the
             scheduler had not processed (:attr:`RangeConnectorMetadata.reports_learnt_through`), so that a request
             that shares another's failed blocks through vLLM's prefix cache stores nothing computed on them.
+        tiers: for saves in a tier hierarchy, the tiers to write (``None``: all; ``(0,)``: a promotion into DRAM of
+            chunks loaded from a farther tier).
     """
 
     req_id: str
@@ -73,6 +75,7 @@ class RequestTransfer:
     confirm: bool = False
     failures_learnt_through: int = -1
     prefix_block_ids: tuple[int, ...] = ()
+    tiers: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ from range_connector.cost.gate import CostGate
 from range_connector.cost.model import layout_bytes_per_token
 from range_connector.kv.heads import HeadSlice
 from range_connector.kv.metadata import (
+    ChunkTransfer,
     RangeConnectorMetadata,
     RangeWorkerMetadata,
     RequestTransfer,
@@ -50,6 +51,7 @@ from range_connector.scheduler.planning import (
     scheduled_progress,
 )
 from range_connector.scheduler.request_input import RequestInputs
+from range_connector.scheduler.tiers import Promotions, TieredLookup, entry_tier
 
 if TYPE_CHECKING:
     from range_connector.scheduler.engine_view import EngineRequest, StepSchedule
@@ -106,8 +108,15 @@ class RangeScheduler:
                                       "settings_mismatches": 0, "reoffers_refused": 0, "lookups_pending": 0,
                                       "lookups_skipped_unprofitable": 0, "loads_not_started_late": 0,
                                       "late_load_probes": 0, "resets": 0}
-        self.lookup = PrefixLookup(config, self.plan, lookup_backends, num_layers=num_layers,
-                                   layer_block_bytes=layer_block_bytes, stats=self.stats, groups=groups)
+        lookup_kwargs = {"num_layers": num_layers, "layer_block_bytes": layer_block_bytes, "stats": self.stats,
+                         "groups": groups}
+        #: chunks loaded from farther tiers, counted until they earn a copy in the DRAM tier (``None``: no DRAM
+        #: tier in front of others, or ``promote_after_hits`` 0)
+        self.promotions = Promotions(config.promote_after_hits) if (
+            len(config.tiers) > 1 and config.has_memory_tier and config.promote_after_hits > 0) else None
+        self.stats["promoted_chunks@memory"] = 0
+        self.lookup = (TieredLookup(config, self.plan, lookup_backends, **lookup_kwargs) if len(config.tiers) > 1
+                       else PrefixLookup(config, self.plan, lookup_backends, **lookup_kwargs))
         self.leases = LeaseBook(lookup_backends, config.lease_ttl_s, self.stats)
         #: every request's client input, parsed once (typed, bounded; what is dropped is counted by kind)
         self.inputs = RequestInputs(self.stats)
@@ -260,9 +269,15 @@ class RangeScheduler:
         self._loads.append(RequestTransfer(req_id, tuple(chunks), num_external_tokens, mode=lookup.mode,
                                            deadline_s=self.admission.deadline_s(lookup)))
         self.stats["promised_tokens"] += num_external_tokens
+        tiers = {c.chunk_idx: entry_tier(c.tickets) for c in chunks if c.tickets}
         self.tally.plan(req_id, tokens_per_chunk(chunks, lookup.num_computed_tokens, num_external_tokens,
                                                  self.block_size, bpc),
-                        is_async=lookup.mode == "async", preempted=preempted)
+                        is_async=lookup.mode == "async", preempted=preempted,
+                        chunk_tiers={c: self.config.tiers[t].type for c, t in tiers.items()
+                                     if t < len(self.config.tiers)})
+        if self.promotions is not None and self.can_save:
+            state.promote_chunks = self.promotions.admit([(c.chunk_idx, c.chunk_hash) for c in chunks
+                                                          if tiers.get(c.chunk_idx, 0) > 0])
         self.leases.take(req_id, chunks)
 
     def counters(self) -> dict[str, float]:
@@ -295,8 +310,11 @@ class RangeScheduler:
             self.leases.release(req_id)
         progress = scheduled_progress(self._requests, scheduler_output)
         if self.can_save:
-            stored = self.lookup.index if not self.lookup.is_remote else ()
+            stored = self.lookup.index if self.lookup.dedupes_saves else ()
             for state, computed in progress:
+                promotion = self._promotion(state, computed, stored)
+                if promotion is not None:
+                    meta.saves.append(promotion)
                 first = state.num_saved_chunks
                 save = plan_save(state, computed, chunk_tokens=self.chunk_tokens, block_size=self.block_size,
                                  blocks_per_chunk=self.plan.blocks_per_chunk, save_tail=self.save_tail,
@@ -308,6 +326,23 @@ class RangeScheduler:
                         save, prefix_block_ids=prefix,
                         failures_learnt_through=self._failures_learnt_through.get(state.req_id, -1)))
         return meta
+
+    def _promotion(self, state: RequestState, computed: int, in_dram: Any) -> RequestTransfer | None:
+        """The save into the DRAM tier alone of the request's chunks admitted for promotion, once the step computes
+        past them (their blocks then hold the loaded KV); ``None`` before, or when there are none."""
+        if not state.promote_chunks or computed < (max(state.promote_chunks) + 1) * self.chunk_tokens:
+            return None
+        bpc = self.plan.blocks_per_chunk
+        chunks = tuple(ChunkTransfer(c, state.chunk_hashes[c], tuple(range(bpc)),
+                                     tuple(state.block_ids[c * bpc:(c + 1) * bpc]))
+                       for c in state.promote_chunks if state.chunk_hashes[c] not in in_dram)
+        state.promote_chunks = []
+        if not chunks:
+            return None
+        self.stats["promoted_chunks@memory"] += len(chunks)
+        return RequestTransfer(state.req_id, chunks, len(chunks) * self.chunk_tokens, tiers=(0,),
+                               prefix_block_ids=tuple(state.block_ids[:chunks[0].chunk_idx * bpc]),
+                               failures_learnt_through=self._failures_learnt_through.get(state.req_id, -1))
 
     def update_connector_output(self, worker_meta: RangeWorkerMetadata | None,
                                 finished_recving: set[str] | None = None) -> None:

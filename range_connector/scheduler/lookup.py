@@ -66,6 +66,11 @@ class PrefixLookup:
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.num_shards), thread_name_prefix="range-lookup")
 
     @property
+    def dedupes_saves(self) -> bool:
+        """Whether :attr:`index` knows every stored chunk, so that saves skip what it holds (the DRAM tier)."""
+        return self.backends is None
+
+    @property
     def is_remote(self) -> bool:
         """The tier lives elsewhere (Valkey, files): lookups ask its servers."""
         return self.backends is not None

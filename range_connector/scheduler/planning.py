@@ -47,6 +47,7 @@ class RequestState:
     tail_saved: bool = False
     num_stored_chunks: int = 0  # full chunks the tier held at lookup (a load of them that timed out left them there)
     skip_saves: bool = False  # the tier could not pay for any hit of this prompt: it was not looked up, nor is saved
+    promote_chunks: list[int] = field(default_factory=list)  # loaded from farther tiers, to copy into DRAM
 
 
 @dataclass

@@ -21,6 +21,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from range_connector.backends.base import Backend
+from range_connector.backends.tiered import TieredBackend, leaf_backends
+from range_connector.metrics import tier_key
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
 from range_connector.kv.heads import HeadSlice
@@ -140,7 +142,7 @@ class RangeWorker:
             return
         self.reset_generation = meta.reset_generation
         self.saver.reset(meta.reset_generation)
-        for backend in {id(b): b for b in self.backends}.values():
+        for backend in leaf_backends(self.backends):
             if backend.is_shared:  # (cleared by the scheduler: saves gathered from now on carry the new epoch)
                 backend.refresh_epoch()
                 continue
@@ -402,8 +404,9 @@ class RangeWorker:
         if self.layout is None:  # no KV cache registered: nothing can be stored
             self.saver.report([(r.req_id, c.chunk_idx) for r in meta.saves if r.confirm for c in r.chunks], False)
             return
-        chunks = []  # (chunk_hash, block ids of the whole chunk)
-        owners: list[tuple[str, int] | None] = []  # who waits for each chunk's outcome
+        #: the tiers a save goes to (``None``: all) -> ((chunk_hash, block ids of the whole chunk), who waits for
+        #: each chunk's outcome)
+        by_tiers: dict[tuple[int, ...] | None, tuple[list, list[tuple[str, int] | None]]] = {}
         dropped: list[tuple[str, int] | None] = []
         # Blocks whose load failed in a step the scheduler had not heard of when it planned these saves: KV computed
         # on top of them (by their request, or by another that shares them through vLLM's prefix cache) is wrong.
@@ -417,22 +420,28 @@ class RangeWorker:
                 failed_from = -1
             for c in req.chunks:
                 owner = (req.req_id, c.chunk_idx) if req.confirm else None
+                target = by_tiers.setdefault(req.tiers, ([], []))
                 if bad_blocks and failed_from is None and not bad_blocks.isdisjoint(c.block_ids):
                     failed_from = c.chunk_idx
                 if failed_from is not None and c.chunk_idx >= failed_from:
                     self.stats.add("saves_dropped_after_failed_load")
                     dropped.append(owner)
                     continue
-                chunks.append((c.chunk_hash, c.block_ids))
-                owners.append(owner)
+                target[0].append((c.chunk_hash, c.block_ids))
+                target[1].append(owner)
         self.saver.report(dropped, False)
-        if not chunks:
-            return
-        self.saver.save(chunks, self.load_context, owners)
+        for tiers, (chunks, owners) in by_tiers.items():  # (a promotion writes the DRAM tier only: its own stripes)
+            if chunks:
+                self.saver.save(chunks, self.load_context, owners, tiers=tiers)
 
     def wait_for_saves(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"``; whether all ended."""
-        return self.saver.wait(timeout_s)
+        """Wait up to ``timeout_s`` for the background writes of ``save_mode`` ``"async"`` (and, in a tier
+        hierarchy, for the copies to the far tiers); whether all ended."""
+        deadline = time.monotonic() + timeout_s
+        if not self.saver.wait(timeout_s):
+            return False
+        return all(b.wait_far_writes(max(0.0, deadline - time.monotonic())) for b in self.backends
+                   if isinstance(b, TieredBackend))
 
     # ---------------------------------------------------------------- to the scheduler
     def build_worker_meta(self) -> RangeWorkerMetadata | None:
@@ -440,10 +449,13 @@ class RangeWorker:
         call; ``None`` when there is nothing to report."""
         with self._dropped_lock:
             dropped, self._dropped = self._dropped, []
-        for b in {id(b): b for b in self.backends}.values():
+        for b in leaf_backends(self.backends):
             take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
             if take_evicted is not None:
-                dropped += [h for h in map(key_chunk_hash, take_evicted()) if h is not None]
+                evicted = list(dict.fromkeys(h for h in map(key_chunk_hash, take_evicted()) if h is not None))
+                if evicted:
+                    self.stats.add(tier_key("evicted_chunks", "memory"), len(evicted))
+                dropped += evicted
         probe_timings = [self._probe_timings.pop(0) for _ in range(len(self._probe_timings))]
         if not (self.saver.has_saved() or dropped or self._failed_loads or self._loaded_reqs or self._load_timings
                 or probe_timings):

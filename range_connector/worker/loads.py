@@ -164,7 +164,8 @@ class LoadJob:
                         self._fail(req.req_id, chunk.chunk_idx)
         self.segments = plan_segments(wanted)
         self._seg_of = {(seg.shard_idx, seg.ticket.stripe_id): seg for seg in self.segments}
-        self.views = bool(self.segments) and all(w.backends[seg.shard_idx].supports_views for seg in self.segments)
+        self.views = bool(self.segments) and all(
+            w.backends[seg.shard_idx].serves_views(seg.ticket.stripe_id) for seg in self.segments)
         if self.views:
             self.groups = [range(layer, layer + 1) for layer in range(self.num_layers)]
             self.lent = LentViews(self)
@@ -214,7 +215,8 @@ class LoadJob:
                 self._plan.append((req, chunk, parts, src_rows, dst_ids))
         if not self.segments:
             return
-        if not w.kv_rows(0, 0).is_cuda and all(w.backends[seg.shard_idx].supports_scatter for seg in self.segments):
+        if not w.kv_rows(0, 0).is_cuda and all(
+                w.backends[seg.shard_idx].serves_scatter(seg.ticket.stripe_id) for seg in self.segments):
             self.direct = DirectRows.plan(w.kv_rows, self.num_layers, num_planes, row_bytes, self.segments,
                                           self.rows_per_region, [(e[3], e[4]) for e in self._plan])
         if self.direct is not None:

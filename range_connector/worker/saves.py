@@ -120,7 +120,8 @@ class StripeSaver:
             with self._lock:
                 self._results.extend(results)
 
-    def save(self, chunks: list[SaveChunk], context: LoadContext, owners: Sequence[SaveOwner] = ()) -> None:
+    def save(self, chunks: list[SaveChunk], context: LoadContext, owners: Sequence[SaveOwner] = (),
+             tiers: tuple[int, ...] | None = None) -> None:
         """Gather ``chunks`` out of the KV cache (``context``: its rows and layout) and write them as one stripe per
         shard (split at the tier's value limit).
 
@@ -128,6 +129,7 @@ class StripeSaver:
             owners: ``[len(chunks)]`` who waits for each chunk's outcome (``(req_id, chunk_idx)``), or empty: the
                 outcome of each owned chunk is reported through :meth:`take_results` once its write ended, or at
                 once when the save is skipped.
+            tiers: in a tier hierarchy, the tiers to write (``None``: all; ``StripeWrite.tiers``).
         """
         owners = list(owners) or [None] * len(chunks)
         if len(owners) != len(chunks):  # (a caller's bug: report nothing rather than mismatched outcomes)
@@ -151,12 +153,12 @@ class StripeSaver:
             for group in groups:
                 stripe_chunks = [chunks[i] for i in group]
                 stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks, context),
-                                backend.epoch_hint))
+                                backend.epoch_hint, tiers))
         hashes = [h for h, _ in chunks]
         if self.config.save_mode != "async":
             self._write_stripes(stripes, hashes, owners, 0, context, self.generation)
             return
-        nbytes = sum(v.numel() * v.element_size() for *_rest, values, _epoch in stripes for v in values)
+        nbytes = sum(v.numel() * v.element_size() for *_rest, values, _epoch, _tiers in stripes for v in values)
         with self._lock:
             if self._backlog_bytes + nbytes > self.config.save_backlog_bytes:
                 self.stats.add("saves_skipped_backlog")
@@ -195,11 +197,11 @@ class StripeSaver:
         reported = False
         try:
             tickets_by_chunk: dict[ChunkHash, list[Ticket | None]] = {h: [None] * self.plan.num_shards for h in hashes}
-            for s, backend, stripe_chunks, values, epoch in stripes:
+            for s, backend, stripe_chunks, values, epoch, tiers in stripes:
                 if self.generation != generation:
                     self.stats.add("saves_skipped_reset")
                     break
-                self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk, context, epoch)
+                self._write_stripe(s, backend, stripe_chunks, values, tickets_by_chunk, context, epoch, tiers)
             saved = [(h, self.ticket_group, tuple(tickets)) for h, tickets in tickets_by_chunk.items()
                      if all(t is not None for t in tickets)]
             with self._lock:
@@ -221,7 +223,7 @@ class StripeSaver:
 
     def _write_stripe(self, s: int, backend: Backend, chunks: list[SaveChunk], values: list[torch.Tensor],
                       tickets_by_chunk: dict[ChunkHash, list[Ticket | None]], context: LoadContext,
-                      epoch: int | None = None) -> None:
+                      epoch: int | None = None, tiers: tuple[int, ...] | None = None) -> None:
         layout = context.layout
         bps = self.plan.blocks_per_shard
         stripe_blocks = len(chunks) * bps
@@ -238,7 +240,7 @@ class StripeSaver:
         shard_idx = self.shard_idxs[s]
         write = StripeWrite(stripe_id, views, [(key, t.encode()) for h, t in tickets
                                                for key in head_keys(h, shard_idx, self.head_slice.heads)],
-                            epoch=epoch)  # (gathered before a reset of a shared tier: the tier stores nothing)
+                            epoch=epoch, tiers=tiers)  # (gathered before a reset of a shared tier: it stores nothing)
         try:
             stored = backend.write_stripe(write)
         except (BackendError, ValueError) as exc:

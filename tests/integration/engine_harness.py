@@ -8,6 +8,7 @@ SPEC.json OUT.json``. Steps:
   (hits and queries: deltas of vLLM's own counters). ``kv_transfer_params`` go into each request's
   ``SamplingParams.extra_args`` as vLLM's OpenAI server puts them, and each output's come back (what the connector's
   ``request_finished`` returned): a test plays the disaggregated proxy's two calls this way between two engine runs;
+* ``{"op": "range_metrics"}`` -> ``{"metrics": [{"name", "labels", "value"}]}`` of every ``vllm:range*`` metric;
 * ``{"op": "last_loads"}`` -> block ids the connector wrote since the previous ``last_loads``, with their digests
   read from the engine's KV cache;
 * ``{"op": "block_digests"}`` -> digests of every non-zero block of the engine's KV cache;
@@ -133,6 +134,10 @@ def main(spec_path: str, out_path: str) -> None:
             _shard, tkey = llm.collective_rpc(debug.connector_last_loaded_tickets)[step.get("rank", 0)][step["index"]]
             tkey = deployment_key_prefix(step.get("deployment", "default")) + tkey  # (worker keys are per deployment)
             results.append({"deleted": int(client.delete(tkey)), "key": tkey})
+        elif op == "range_metrics":  # Range's counters as vLLM's metric reader shows them, with their labels
+            results.append({"metrics": [{"name": m.name, "labels": dict(getattr(m, "labels", {}) or {}),
+                                         "value": getattr(m, "value", None)}
+                                        for m in llm.get_metrics() if m.name.startswith("vllm:range")]})
         elif op == "worker_stats":
             results.append({"stats": llm.collective_rpc(debug.connector_worker_stats)[0]})
         elif op == "load_timelines":
@@ -148,8 +153,14 @@ def main(spec_path: str, out_path: str) -> None:
             results.append({"counts": llm.collective_rpc(debug.layer_hook_counts)[0]})
         elif op == "mla_probe":
             results.append(llm.collective_rpc(debug.mla_branch_probe)[0])
-        elif op == "reset_prefix_cache":
-            results.append({"ok": bool(llm.reset_prefix_cache())})
+        elif op == "reset_prefix_cache":  # (refused while a finished request's blocks are not yet freed: retried)
+            ok = bool(llm.reset_prefix_cache())
+            for _ in range(50 if not ok else 0):
+                time.sleep(0.1)
+                ok = bool(llm.reset_prefix_cache())
+                if ok:
+                    break
+            results.append({"ok": ok})
         elif op == "corrupt":
             import valkey
 

@@ -1,12 +1,14 @@
 """The in-process DRAM tier and the file tier inside a real engine.
 
 DRAM: bytes in the worker, index in the scheduler (learned from the worker's metadata), a hit after vLLM's own prefix
-cache is reset. File: stripes and tickets on disk, read by a fresh engine process."""
+cache is reset. File: stripes and tickets on disk, read by a fresh engine process. DRAM in front of Valkey: one
+prompt loaded part from each tier, then promoted into DRAM."""
 
 from __future__ import annotations
 
 import pytest
 
+from range_connector.backends.valkey.servers import stop_servers
 from range_connector.testing.tiny_models import build_model
 from tests.integration.harness import prompt_ids, run_engine
 
@@ -42,3 +44,60 @@ def test_file_tier_serves_a_fresh_engine(tmp_path):
     assert second[0]["external_hits"] == 512
     assert len(second[1]["block_ids"]) == 4
     assert second[0]["token_ids"] == first[0]["token_ids"]
+
+
+def _tier_tokens(metrics: list[dict]) -> dict[str, float]:
+    return {m["labels"]["tier"]: m["value"] for m in metrics
+            if m["name"] == "vllm:range_tier_loaded_tokens" and m["labels"].get("tier")}
+
+
+def test_dram_in_front_of_valkey_loads_a_prompt_from_both_then_promotes_it(tmp_path):
+    """DRAM holds two chunks' stripes (``capacity_bytes`` 1.1 MiB: 256 tokens x 2 KiB per chunk), Valkey (two
+    embedded shards) everything. Chunk 0 of X is saved by A (= X's first chunk), chunk 1 by X; A is loaded again
+    (chunk 0 becomes DRAM's most recently used) and a filler's save evicts X's chunk 1 from DRAM. X then loads chunk 0
+    from DRAM and chunk 1 from Valkey, byte-identical to the blocks X computed; the second load from Valkey promotes
+    chunk 1, and the next load takes all of X from DRAM. Greedy tokens equal X's first run every time."""
+    model = build_model("gqa", "tiny")
+    x = prompt_ids(model, 600)
+    a, a2 = x[:256] + prompt_ids(model, 44, 20_000), x[:256] + prompt_ids(model, 44, 30_000)
+    filler = prompt_ids(model, 300, 40_000)
+    connector = {"tiers": [{"type": "memory", "capacity_bytes": 1_100_000},
+                           {"type": "valkey", "embedded_maxmemory_bytes": 64 << 20}],
+                 "num_shards": 2, "chunk_tokens": 256, "runtime_dir": str(tmp_path / "rt")}
+    try:
+        res = _run_dram_valkey(tmp_path, model, connector, x, a, a2, filler)
+    finally:
+        stop_servers(tmp_path / "rt")
+    assert all(r["ok"] for r in res if "ok" in r)  # every reset of vLLM's own prefix cache went through
+    assert [res[i]["external_hits"] for i in (0, 2, 5, 7, 9, 13, 17)] == [0, 256, 256, 0, 512, 512, 512], \
+        res[-1]["stats"]
+    computed = set(res[3]["digests"].values())
+    # blocks of 128 tokens; step 10 also lists the loads of steps 2 and 5 (X's chunk 0: two blocks each)
+    for i, num_blocks in ((10, 2 + 2 + 4), (14, 4), (18, 4)):
+        assert len(res[i]["block_ids"]) == num_blocks, f"step {i}"
+        assert set(res[i]["digests"]) <= computed, f"step {i}: a loaded block X never computed"
+    for i in (9, 13, 17):
+        assert res[i]["token_ids"] == res[2]["token_ids"], f"step {i}"
+    first, second, third = (_tier_tokens(res[i]["metrics"]) for i in (11, 15, 19))
+    assert first.get("valkey") == 256 and first.get("memory") == 256 + 256 + 256, first
+    assert second.get("valkey") == 512, second  # (the promotion's save happens after this load)
+    assert third.get("valkey") == 512 and third.get("memory") == 768 + 256 + 512, third
+    promoted = [m["value"] for m in res[19]["metrics"] if m["name"] == "vllm:range_tier_promoted_chunks"
+                and m["labels"].get("tier") == "memory"]
+    assert promoted == [1], res[19]["metrics"]
+
+
+def _run_dram_valkey(tmp_path, model, connector, x, a, a2, filler) -> list[dict]:
+    gen = [{"op": "reset_prefix_cache"}, {"op": "generate", "prompts": [x]}, {"op": "last_loads"},
+           {"op": "range_metrics"}]
+    return run_engine(tmp_path, "dram-valkey", {"model": str(model), "connector": connector, "steps": [
+        {"op": "generate", "prompts": [a]},  # 0: A saves chunk 0
+        {"op": "reset_prefix_cache"}, {"op": "generate", "prompts": [x]},  # 2: X loads chunk 0, saves chunk 1
+        {"op": "block_digests"},  # 3: X's blocks as computed
+        {"op": "reset_prefix_cache"}, {"op": "generate", "prompts": [a2]},  # 5: touches chunk 0 in DRAM
+        {"op": "reset_prefix_cache"}, {"op": "generate", "prompts": [filler]},  # 7: evicts X's chunk 1 from DRAM
+        *gen,  # 9-11: chunk 0 from DRAM, chunk 1 from Valkey (its first far load)
+        *gen,  # 13-15: the second far load of chunk 1: promoted
+        *gen,  # 17-19: all from DRAM
+        {"op": "worker_stats"},  # 20: (shown when an assertion fails)
+    ]})

@@ -346,12 +346,13 @@ class Engine:
     def __init__(self, backends: list[Backend], *, num_shards: int = 1, chunk_tokens: int = 32, kind: str = "dense",
                  lookup_backends: list[Backend] | None | str = "same", can_load: bool = True, can_save: bool = True,
                  seed: int = 0, tp_size: int = 1, rank_backends: list[list[Backend]] | None = None,
-                 model_heads: bool = False, num_saving_ranks: int | None = None, **config: Any) -> None:
+                 model_heads: bool = False, num_saving_ranks: int | None = None,
+                 tiers: tuple[TierConfig, ...] | None = None, **config: Any) -> None:
         # This engine has no forward pass for the cost model to measure: its seed estimates would give every load a
         # deadline of min_load_deadline_s, which a busy test machine can overrun. Tests of deadlines set their own.
         config.setdefault("min_load_deadline_s", 5.0)
         tier = TierConfig("memory", **{new: config.pop(old) for old, new in TIER_KWARGS.items() if old in config})
-        self.config = RangeConfig(tiers=(tier,), num_shards=num_shards, chunk_tokens=chunk_tokens,
+        self.config = RangeConfig(tiers=tiers or (tier,), num_shards=num_shards, chunk_tokens=chunk_tokens,
                                   **config).resolve(BLOCK)
         self.kind = kind
         # Tensor parallelism: rank r holds its head slice of the model's NUM_KV_HEADS (MLA: the whole latent row),

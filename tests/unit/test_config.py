@@ -50,7 +50,7 @@ def test_defaults(extra: dict | None) -> None:
 
 def test_every_documented_key_is_a_field() -> None:
     assert {k.name for k in ENGINE_KEYS} == {f.name for f in dataclasses.fields(RangeConfig)}
-    assert {k.name for k in TIER_KEYS} == {f.name for f in dataclasses.fields(TierConfig)} - {"shorthand"}
+    assert {k.name for k in TIER_KEYS} == {f.name for f in dataclasses.fields(TierConfig)} - {"shorthand", "index"}
     assert {k.name for k in TESTING_KEYS} == {f.name for f in dataclasses.fields(TierTesting)}
 
 

@@ -96,7 +96,12 @@ def test_contradictory_settings_are_refused_naming_both_keys(extra: dict, key: s
 @pytest.mark.parametrize(("extra", "key"), [
     ({"tiers": []}, "tiers"),
     ({"tiers": {"type": "memory"}}, "tiers"),
-    ({"tiers": [{"type": "memory"}, {"type": "file"}]}, "tiers"),
+    ({"tiers": [{"type": "memory"}, {"type": "file"}, {"type": "valkey"}, {"type": "file"}]}, "tiers"),
+    ({"tiers": [{"type": "file"}, {"type": "memory"}]}, "tiers[1].type"),
+    ({"tiers": [{"type": "memory"}, {"type": "file"}, {"type": "file"}]}, "tiers[2].type"),
+    ({"tiers": [{"type": "memory"}, {"type": "valkey", "timeout_s": 0}]}, "tiers[1].timeout_s"),
+    ({"tiers": [{"type": "memory"}, {"type": "file", "servers": [URL_A]}]}, "tiers[1].servers"),
+    ({"tiers": [{"type": "memory"}, {"servers": [URL_A]}], "num_shards": 2}, "num_shards"),
     ({"tiers": ["memory"]}, "tiers[0]"),
     ({"tiers": [{"type": "redis"}]}, "tiers[0].type"),
     ({"tiers": [{"kind": "memory"}]}, "tiers[0].kind"),
@@ -111,8 +116,17 @@ def test_bad_tree_values_name_their_path(extra: dict, key: str) -> None:
     assert _error(extra).key == key
 
 
-def test_more_than_one_tier_is_refused_until_the_hierarchy_exists() -> None:
-    assert "one tier at a time" in str(_error({"tiers": [{"type": "memory"}, {"type": "valkey"}]}))
+def test_a_hierarchy_keeps_each_tiers_settings_and_names_its_keys_by_place() -> None:
+    config = RangeConfig.from_extra_config({"tiers": [
+        {"type": "memory", "capacity_bytes": 1 << 20}, {"type": "valkey", "servers": [URL_A, URL_B], "timeout_s": 2},
+        {"type": "file", "directory": "/nvme/range"}]})
+    assert [t.type for t in config.tiers] == ["memory", "valkey", "file"] and config.has_memory_tier
+    assert config.num_shards == 2  # (the shard count is the stored layout's: the valkey tier's servers)
+    assert config.for_tier(1).tier.timeout_s == 2 and config.for_tier(1).tier.key_name("servers") == "tiers[1].servers"
+    assert config.for_tier(2).tier.directory == "/nvme/range" and config.tiers[0].capacity_bytes == 1 << 20
+    unset = {"tiers": [{"type": "memory"}, {"type": "valkey", "servers": [URL_A],
+                                             "security": {"password_env": "RANGE_TEST_UNSET_VARIABLE"}}]}
+    assert _error(unset).key == "tiers[1].security.password_env"
 
 
 def test_with_tier_settings_keeps_the_users_spelling() -> None:

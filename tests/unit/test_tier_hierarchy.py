@@ -1,0 +1,186 @@
+"""A tier hierarchy (DRAM in front of a shared tier): the lookup across tiers, loads routed to the tier that holds
+each chunk, write-through saves, promotion into DRAM, and the per-tier token counts.
+
+Driven through the engine-less harness (:mod:`tests.unit.scheduler_worker_harness`) with the real DRAM tier, real
+files (the file tier) and, for one test, real Valkey servers (one per shard).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from range_connector.backends.file.backend import FileBackend
+from range_connector.backends.memory import MemoryBackend
+from range_connector.backends.tiered import TieredBackend, stripe_tier, tag_stripe
+from range_connector.config.tree import TierConfig
+from range_connector.kv.tickets import Ticket, ticket_key
+from range_connector.scheduler.tiers import _tag, entry_tier
+from tests.unit.scheduler_worker_harness import (
+    CHUNK_BYTES_DENSE_32,
+    Engine,
+    FakeRequest,
+    MiB,
+    chain,
+    prompt_tokens,
+    same_block,
+    snapshot,
+)
+
+def _engine(far: list, *, seed: int, promote_after_hits: int = 2, dram_bytes: int = 64 * MiB,
+            far_type: str = "file") -> tuple[Engine, MemoryBackend]:
+    dram = MemoryBackend(dram_bytes, name="dram")
+    worker = [TieredBackend([dram, b]) for b in far]
+    sched = [TieredBackend([None, b]) for b in far]
+    tiers = (TierConfig("memory", index=0), TierConfig(far_type, index=1))
+    eng = Engine(worker, lookup_backends=sched, num_shards=len(far), seed=seed, tiers=tiers,
+                 promote_after_hits=promote_after_hits)
+    return eng, dram
+
+
+def _files(tmp_path: Path, n: int = 2) -> list[FileBackend]:
+    return [FileBackend(tmp_path / f"shard-{s}", None, timeout_s=5.0) for s in range(n)]
+
+
+def _tiers_of(eng: Engine, prompt: list[int]) -> list[int]:
+    return [entry_tier(e) for e in eng.sched.stored_prefix(chain(prompt, 32))]
+
+
+def _produce(eng: Engine, req_id: str, prompt: list[int]) -> list[int]:
+    eng.admit(FakeRequest(req_id, prompt))
+    eng.step()
+    assert eng.worker.wait_for_saves(30)  # (the far copies too)
+    eng.step(forward=False)  # the saves' report reaches the scheduler
+    blocks = list(eng.running[req_id].block_ids)
+    eng.finish(req_id)
+    return blocks
+
+
+def _forget_in_dram(eng: Engine, dram: MemoryBackend, prompt: list[int], chunk_idxs: range) -> None:
+    """Chunks gone from DRAM (as if evicted), still on the far tier."""
+    hashes = [chain(prompt, 32)[c] for c in chunk_idxs]
+    dram.delete_tickets([ticket_key(h, s) for h in hashes for s in range(eng.config.num_shards)])
+    eng.sched.lookup.learn([], hashes)
+
+
+@pytest.mark.timeout(60)
+def test_a_hit_is_loaded_part_from_dram_part_from_files_byte_exact_and_counted_by_tier(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    eng, dram = _engine(files, seed=41, promote_after_hits=0)
+    prompt = prompt_tokens(150, seed=41)
+    src = _produce(eng, "P-0", prompt)
+    saved = snapshot(eng.kv)
+    assert _tiers_of(eng, prompt) == [0, 0, 0, 0]  # write-through: in both; the nearest wins
+    asked = [f.counters.commands for f in files]
+    eng.sched.stored_prefix(chain(prompt, 32))
+    assert [f.counters.commands for f in files] == asked  # DRAM covered it all: the files were not asked
+
+    _forget_in_dram(eng, dram, prompt, range(2, 4))
+    assert _tiers_of(eng, prompt) == [0, 0, 1, 1]
+    read_before = [b.counters.bytes_read for b in (dram, *files)]
+    assert eng.admit(FakeRequest("L-0", prompt)) == 128
+    dst = eng.running["L-0"].block_ids
+    res = eng.step(forward=False)
+    assert not res.invalid_block_ids
+    for i in range(8):
+        assert same_block(res.after_load, dst[i], saved, src[i]), f"block {i}"
+    # each tier served its own run (both hold every stripe: write-through), as the tiers count their bytes
+    read = [b.counters.bytes_read - n for b, n in zip((dram, *files), read_before)]
+    assert read == [2 * CHUNK_BYTES_DENSE_32, CHUNK_BYTES_DENSE_32, CHUNK_BYTES_DENSE_32], read
+    counts = eng.sched.tally.counts
+    assert counts["loaded_tokens"] == 128
+    assert counts["loaded_tokens@memory"] == 64 and counts["loaded_tokens@file"] == 64
+    eng.finish("L-0")
+    eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_gap_on_one_shard_of_the_far_tier_shortens_the_hit_there(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    eng, dram = _engine(files, seed=42, promote_after_hits=0)
+    prompt = prompt_tokens(150, seed=42)
+    _produce(eng, "P-0", prompt)
+    _forget_in_dram(eng, dram, prompt, range(1, 4))
+    files[1].delete_tickets([ticket_key(chain(prompt, 32)[2], 1)])  # chunk 2 gone from shard 1 of the files
+    assert _tiers_of(eng, prompt) == [0, 1]
+    assert eng.admit(FakeRequest("L-0", prompt)) == 64
+    eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_only_in_dram_past_a_far_run_is_not_offered_out_of_order(tmp_path: Path) -> None:
+    """Runs go outward: DRAM 0-1, files 2; chunk 3 is in DRAM only, after the files' run ended: not part of the hit
+    (the far tier does not hold it), and nothing is offered past a chunk no tier holds."""
+    files = _files(tmp_path)
+    eng, dram = _engine(files, seed=43, promote_after_hits=0)
+    prompt = prompt_tokens(150, seed=43)
+    _produce(eng, "P-0", prompt)
+    hashes = chain(prompt, 32)
+    _forget_in_dram(eng, dram, prompt, range(2, 3))
+    for f in files:
+        f.delete_tickets([ticket_key(hashes[3], s) for s in range(2)])
+    assert _tiers_of(eng, prompt) == [0, 0, 1]
+    eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_loaded_from_the_far_tier_twice_is_promoted_into_dram(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    eng, dram = _engine(files, seed=44, promote_after_hits=2)
+    prompt = prompt_tokens(150, seed=44)
+    src = _produce(eng, "P-0", prompt)
+    saved = snapshot(eng.kv)
+    _forget_in_dram(eng, dram, prompt, range(2, 4))
+    written = [f.counters.bytes_written for f in files]
+    for n, req_id in enumerate(("L-0", "L-1")):
+        assert eng.admit(FakeRequest(req_id, prompt)) == 128
+        eng.step()
+        assert eng.worker.wait_for_saves(30)
+        eng.step(forward=False)
+        eng.finish(req_id)
+        promoted = eng.sched.stats["promoted_chunks@memory"]
+        assert promoted == (0 if n == 0 else 2), f"after load {n + 1}"
+    assert _tiers_of(eng, prompt) == [0, 0, 0, 0]  # the index learnt the promotion's DRAM stripe
+    assert [f.counters.bytes_written for f in files] == written  # a promotion writes DRAM only
+    dst_load = eng.admit(FakeRequest("L-2", prompt))
+    assert dst_load == 128
+    dst = eng.running["L-2"].block_ids
+    res = eng.step(forward=False)
+    for i in range(8):
+        assert same_block(res.after_load, dst[i], saved, src[i]), f"block {i}"
+    assert eng.sched.tally.counts["loaded_tokens@memory"] == 128 + 2 * 64
+    eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_dram_in_front_of_valkey_shards(valkey_servers) -> None:
+    """The same split with real Valkey servers as the far tier (one per shard)."""
+    from range_connector.backends.valkey.client import ValkeyBackend
+
+    far = [ValkeyBackend(url, deployment="tier-hierarchy") for url in valkey_servers.urls[:2]]
+    for b in far:
+        b.clear()
+        b.refresh_epoch()  # (a clear bumps the reset epoch; saves stamped with the old one store nothing)
+    eng, dram = _engine(far, seed=45, promote_after_hits=0, far_type="valkey")
+    prompt = prompt_tokens(150, seed=45)
+    src = _produce(eng, "P-0", prompt)
+    saved = snapshot(eng.kv)
+    _forget_in_dram(eng, dram, prompt, range(1, 4))
+    assert _tiers_of(eng, prompt) == [0, 1, 1, 1]
+    assert eng.admit(FakeRequest("L-0", prompt)) == 128
+    dst = eng.running["L-0"].block_ids
+    res = eng.step(forward=False)
+    assert not res.invalid_block_ids
+    assert all(same_block(res.after_load, dst[i], saved, src[i]) for i in range(8))
+    assert eng.sched.tally.counts["loaded_tokens@valkey"] == 96
+    eng.close()
+
+
+def test_tags_route_and_a_stored_id_that_looks_tagged_is_a_miss() -> None:
+    assert stripe_tier(tag_stripe(2, "ab12")) == (2, "ab12") and stripe_tier("ab12") == (0, "ab12")
+    assert tag_stripe(0, "ab12") == "ab12" and tag_stripe(1, "ab12").isalnum()
+    ticket = Ticket("T1" + "ab" * 15, 0, 1, 1, 1, 1, 16, (0,), (), 0, 1)
+    assert _tag((ticket,), 0) is None and _tag((ticket,), 1) is None  # storage is untrusted: a miss
+    fine = Ticket("ab" * 16, 0, 1, 1, 1, 1, 16, (0,), (), 0, 1)
+    assert _tag(((fine, fine),), 1)[0][0].stripe_id == "T1" + "ab" * 16  # pieces are tagged too
