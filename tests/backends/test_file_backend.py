@@ -94,6 +94,7 @@ def test_round_trip_is_byte_exact_with_odd_ranges(tmp_path: Path, use_odirect: b
         source = (w if sid == "abc1" else other).layer_values[layer]
         assert bytes(dest) == source[off:off + n], (sid, layer, off, n)
     assert b.get_tickets([k for k, _ in w.tickets]) == [t for _, t in w.tickets]
+    assert b.direct_reads == use_odirect  # (the O_DIRECT reads were not given up on the way)
     b.close()
 
 

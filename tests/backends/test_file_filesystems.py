@@ -1,5 +1,6 @@
 """File tier (:class:`range_connector.backends.file.backend.FileBackend`) on real file systems of the kinds an NVMe
-deployment meets: one that fills up (a small tmpfs mounted for the test: ``ENOSPC`` wherever the save meets it).
+deployment meets: one that fills up (a small tmpfs mounted for the test: ``ENOSPC`` wherever the save meets it),
+one that refuses ``O_DIRECT`` (``EINVAL``), and one that accepts it.
 
 A full file system skips the save (``False``, ``counters.saves_skipped_no_space``), leaves nothing half-written and
 no stripe without its tickets, and the next save after space came back is stored. The file systems come from the
@@ -11,16 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import range_connector.backends.file.ticket_log as ticket_log_mod
-from range_connector.backends.base import StripeWrite
+from range_connector.backends.base import RangeRead, StripeWrite
 from range_connector.backends.file.backend import FileBackend
 from range_connector.backends.file.stripes import PAGE
-from tests.backends.test_file_backend import _read, _stripe, _stripe_bytes_on_disk
-from tests.filesystems import fill_up, free_bytes
+from tests.backends.test_file_backend import REPO_ROOT, _read, _stripe, _stripe_bytes_on_disk
+from tests.filesystems import fill_up, free_bytes, odirect_refusal
 
 LOGGER = "range_connector.backends.file.backend"
 
@@ -116,4 +119,56 @@ def test_a_ticket_log_rewrite_on_a_full_file_system_keeps_the_log_and_leaves_no_
     later = _stripe("later", 1, 64, num_chunks=1)
     assert b.write_stripe(later)
     assert FileBackend(root).get_tickets(keys + [b"later:chunk0"]) == [None] * 12 + [b"ticket later 0"]
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_odirect_falls_back_to_buffered_reads_once_where_the_file_system_refuses_it(
+        odirect_refusing_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    b = FileBackend(odirect_refusing_dir / "shard", use_odirect=True)
+    assert b.direct_reads  # configured, not yet tried
+    layer_bytes = 3 * PAGE + 123
+    w = _stripe("d", 3, layer_bytes, seed=3)
+    assert b.write_stripe(w)
+    assert (b.root / "stripes" / "d").stat().st_size == PAGE + 3 * 4 * PAGE  # layers padded to the page
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for layer, off, n in [(0, 0, layer_bytes), (2, 4095, 2), (1, 17, layer_bytes - 17), (2, 0, layer_bytes)]:
+            assert _read(b, "d", layer, off, n) == (True, w.layer_values[layer][off:off + n])
+    assert not b.direct_reads
+    assert len([r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]) == 1
+    assert b.counters.allocations == 0  # no bounce buffer was ever needed
+    b.close()
+
+
+@pytest.fixture
+def odirect_accepting_dir(tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory on a file system that accepts O_DIRECT: the test's temporary directory, else one under
+    /var/tmp or the repository's checkout. Skipped, with the reasons, where none does."""
+    reasons = []
+    for parent in (tmp_path, Path("/var/tmp"), REPO_ROOT):
+        try:
+            with tempfile.TemporaryDirectory(prefix=".odirect-", dir=parent) as scratch:
+                if (reason := odirect_refusal(Path(scratch))) is None:
+                    yield Path(scratch)
+                    return
+                reasons.append(reason)
+        except OSError as exc:
+            reasons.append(f"no scratch directory under {parent} ({exc})")
+    pytest.skip("no file system here accepts O_DIRECT: " + "; ".join(reasons))
+
+
+@pytest.mark.timeout(60)
+def test_odirect_reads_round_trip_where_the_file_system_accepts_it(odirect_accepting_dir: Path) -> None:
+    b = FileBackend(odirect_accepting_dir / "shard", use_odirect=True)
+    layer_bytes = 5 * PAGE + 1
+    w = _stripe("d", 2, layer_bytes, seed=4)
+    assert b.write_stripe(w)
+    dests = [memoryview(bytearray(n)) for n in (layer_bytes, 1, PAGE + 2)]
+    reads = [RangeRead("d", 1, 0, layer_bytes, layer_bytes, dests[0]),
+             RangeRead("d", 0, layer_bytes - 1, 1, layer_bytes, dests[1]),
+             RangeRead("d", 0, PAGE - 1, PAGE + 2, layer_bytes, dests[2])]
+    assert b.read_ranges(reads) == [True, True, True]
+    assert dests[0] == w.layer_values[1] and dests[1] == w.layer_values[0][-1:]
+    assert dests[2] == w.layer_values[0][PAGE - 1:2 * PAGE + 1]
+    assert b.direct_reads and b.counters.allocations >= 1  # read through the aligned bounce buffer
     b.close()

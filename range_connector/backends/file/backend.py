@@ -151,6 +151,12 @@ class FileBackend(Backend):
         self.epoch_hint = self._epoch()
 
     @property
+    def direct_reads(self) -> bool:
+        """Whether reads bypass the page cache with O_DIRECT now: ``use_odirect`` until the file system refuses it
+        (``EINVAL``), then buffered reads for good, with one log line."""
+        return self._files.direct_reads
+
+    @property
     def supports_gds(self) -> bool:
         """Whether :meth:`read_ranges_device` can read into CUDA memory through ``kvikio.CuFile``."""
         return gds_status()[0]
