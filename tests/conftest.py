@@ -1,4 +1,5 @@
-"""Shared fixtures: real Valkey servers on loopback (one per shard) and server-side command counts.
+"""Shared fixtures: real Valkey servers on loopback (one per shard) and server-side command counts; scratch file
+systems mounted for one test (a small tmpfs, one that refuses O_DIRECT: :mod:`tests.filesystems`).
 
 Servers are started with :func:`range_connector.backends.valkey.servers.ensure_servers` in a runtime dir of their own
 and stopped with :func:`~range_connector.backends.valkey.servers.stop_servers` at teardown, killing by recorded pid as a
@@ -19,12 +20,14 @@ import pytest
 
 from range_connector.backends.valkey.servers import ensure_servers, server_status, stop_servers, valkey_server_binary
 from range_connector.errors import ServerStartError
+from tests.filesystems import CannotMount, mounted, odirect_refusal
 
 # Shared test helpers that are not test modules: their asserts get pytest's introspection too (registered here, before
 # any test module imports them).
 pytest.register_assert_rewrite("tests.unit.scheduler_worker_harness", "tests.backends.conformance")
 
 SESSION_NUM_SHARDS = 2
+SMALL_TMPFS_BYTES = 2 << 20  # the size of :func:`small_tmpfs`
 
 
 @dataclass(frozen=True)
@@ -182,3 +185,31 @@ def module_valkey_server_sets(tmp_path_factory: pytest.TempPathFactory) -> Itera
     """Like :func:`valkey_server_sets`, shared by the tests of one module (do not freeze or kill these)."""
     with _server_sets(tmp_path_factory.mktemp("valkey-module-sets")) as start:
         yield start
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh 2 MiB tmpfs for this test, unmounted at teardown (:func:`tests.filesystems.mounted`): a file system
+    that fills up. Skipped, with the reason, where mounting is not permitted."""
+    try:
+        with mounted("tmpfs", tmp_path / "tmpfs", SMALL_TMPFS_BYTES) as path:
+            yield path
+    except CannotMount as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+
+
+@pytest.fixture
+def odirect_refusing_dir(tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory on a file system that refuses O_DIRECT with EINVAL: a tmpfs where the kernel refuses it
+    there (before Linux 6.6), else a ramfs. Skipped, with the reasons, where neither can be had."""
+    reasons = []
+    for fstype in ("tmpfs", "ramfs"):
+        try:
+            with mounted(fstype, tmp_path / fstype) as path:
+                if odirect_refusal(path) is not None:
+                    yield path
+                    return
+                reasons.append(f"{fstype} accepts O_DIRECT here")
+        except CannotMount as exc:
+            reasons.append(f"cannot mount a {fstype} here: {exc}")
+    pytest.skip("no file system that refuses O_DIRECT: " + "; ".join(reasons))

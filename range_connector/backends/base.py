@@ -25,7 +25,8 @@ Contract (checked by ``tests/backends/test_conformance_*.py`` against every back
   the writes in flight: a write that began before ``clear`` and ends after it stores nothing (``False``). Another
   deployment's entries on the same server or directory are untouched.
 * Every call has a deadline: :class:`BackendTimeoutError` when it passes, :class:`BackendError` for other failures.
-* :class:`BackendCounters` count round trips, commands, bytes, allocations and copy launches (client side).
+* :class:`BackendCounters` count round trips, commands, bytes, allocations, copy launches (client side) and saves
+  skipped because the storage was full.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class BackendCounters:
     bytes_read: int = 0
     allocations: int = 0
     copy_launches: int = 0
+    #: saves skipped because the tier's storage was full (a file system answering ``ENOSPC`` or ``EDQUOT``)
+    saves_skipped_no_space: int = 0
 
     def snapshot(self) -> dict[str, int]:
         """Return the counters as a plain dict."""
@@ -204,8 +207,9 @@ class Backend(abc.ABC):
         """Store a stripe and publish its tickets (see the module contract).
 
         Returns:
-            ``True`` if stored, ``False`` if skipped for lack of room (everything evictable is leased, or the
-            stripe is larger than the budget).
+            ``True`` if stored, ``False`` if skipped for lack of room (everything evictable is leased, the
+            stripe is larger than the budget, or the tier's storage is full: counted in
+            ``counters.saves_skipped_no_space``).
 
         Raises:
             ValueError: a layer value exceeds :attr:`max_value_bytes` (nothing is stored).

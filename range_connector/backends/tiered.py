@@ -85,6 +85,7 @@ class TieredBackend(Backend):
         self.is_shared = any(t.is_shared for t in present)
         self.supports_views = all(t.supports_views for t in present)
         self.supports_scatter = all(t.supports_scatter for t in present)
+        self.counters = present[0].counters  # (the nearest tier's: its result is write_stripe's)
         self.far_writes_skipped = 0
         self._backlog_bytes = 0
         self._lock = threading.Lock()

@@ -32,7 +32,8 @@ class RangeConnectorStats(KVConnectorStats):
     """Counters of one interval (``data``: name -> count), summed across workers and steps.
 
     Worker names: ``loaded_blocks``, ``loaded_bytes``, ``failed_blocks``, ``saved_chunks``, ``saved_bytes``,
-    ``save_errors``, ``load_backend_errors``, ``load_integrity_errors``, ``load_deadline_misses``. Scheduler names:
+    ``save_errors``, ``saves_skipped_capacity``, ``saves_skipped_no_space`` (the tier's storage was full),
+    ``load_backend_errors``, ``load_integrity_errors``, ``load_deadline_misses``. Scheduler names:
     ``lookups``, ``promised_tokens``, ... and the token tally (:class:`LoadTally`: ``loaded_tokens``,
     ``failed_tokens``, ``aborted_tokens``, ``preempted_load_tokens``). The cost-model gate's counters (scheduler
     side, :meth:`range_connector.cost.gate.DecisionStats.snapshot`): ``decisions_taken``,

@@ -241,6 +241,9 @@ class StripeSaver:
         write = StripeWrite(stripe_id, views, [(key, t.encode()) for h, t in tickets
                                                for key in head_keys(h, shard_idx, self.head_slice.heads)],
                             epoch=epoch, tiers=tiers)  # (gathered before a reset of a shared tier: it stores nothing)
+        # (read around the call: a skip by another thread saving through the same backend object at that moment
+        # could swap which of the two skip counters is added to, never lose one)
+        no_space = backend.counters.saves_skipped_no_space
         try:
             stored = backend.write_stripe(write)
         except (BackendError, ValueError) as exc:
@@ -249,8 +252,9 @@ class StripeSaver:
             if isinstance(exc, BackendError):
                 self._down_until[s] = time.monotonic() + self.config.tier.retry_s
             return
-        if not stored:  # no room within the budget (or the tier was reset since the save was gathered)
-            self.stats.add("saves_skipped_capacity")
+        if not stored:  # no room within the budget or on the tier's storage (or the tier was reset since)
+            full = backend.counters.saves_skipped_no_space > no_space
+            self.stats.add("saves_skipped_no_space" if full else "saves_skipped_capacity")
             return
         self.stats.add("saved_bytes", write.nbytes)
         self.stats.add("saved_stripes")

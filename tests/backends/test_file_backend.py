@@ -28,6 +28,7 @@ from range_connector.backends.base import RangeRead, ScatterDest, StripeWrite
 from range_connector.backends.file.backend import FileBackend, gds_status
 from range_connector.backends.file.stripes import PAGE, DeviceRead
 from range_connector.errors import BackendError, BackendTimeoutError
+from tests.filesystems import odirect_refusal
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,27 +66,6 @@ def _metadata_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / "tickets").iterdir()) + PAGE * len(os.listdir(root / "stripes"))
 
 
-def _odirect_refused(path: Path) -> str | None:
-    """Why this file system refuses an aligned O_DIRECT read, or ``None`` if it accepts one."""
-    if not hasattr(os, "O_DIRECT"):
-        return "no O_DIRECT on this platform"
-    probe = path / "odirect-probe"
-    probe.write_bytes(bytes(2 * PAGE))
-    import mmap
-
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
-        try:
-            os.preadv(fd, [mmap.mmap(-1, PAGE)], 0)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return f"the file system under {path} refuses O_DIRECT ({exc})"
-    finally:
-        probe.unlink()
-    return None
-
-
 @pytest.fixture
 def backend(tmp_path: Path) -> Iterator[FileBackend]:
     b = FileBackend(tmp_path / "shard0", timeout_s=10.0)
@@ -96,7 +76,7 @@ def backend(tmp_path: Path) -> Iterator[FileBackend]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("use_odirect", [False, True])
 def test_round_trip_is_byte_exact_with_odd_ranges(tmp_path: Path, use_odirect: bool) -> None:
-    if use_odirect and (reason := _odirect_refused(tmp_path)):
+    if use_odirect and (reason := odirect_refusal(tmp_path)):
         pytest.skip(reason)
     b = FileBackend(tmp_path / "s", use_odirect=use_odirect)
     layer_bytes = 3 * PAGE + 123  # not a multiple of the page: padded under O_DIRECT, back to back otherwise
@@ -114,6 +94,7 @@ def test_round_trip_is_byte_exact_with_odd_ranges(tmp_path: Path, use_odirect: b
         source = (w if sid == "abc1" else other).layer_values[layer]
         assert bytes(dest) == source[off:off + n], (sid, layer, off, n)
     assert b.get_tickets([k for k, _ in w.tickets]) == [t for _, t in w.tickets]
+    assert b.direct_reads == use_odirect  # (the O_DIRECT reads were not given up on the way)
     b.close()
 
 
@@ -123,7 +104,7 @@ def test_scatter_reads_over_several_system_calls_land_byte_exact_with_their_dige
                                                                                   use_odirect: bool) -> None:
     # A whole layer of 20 MiB + 7 bytes: more than one scatter system call (8 MiB each), pieces of odd sizes placed
     # out of order, next to an ordinary read of the same stripe in the same call.
-    if use_odirect and (reason := _odirect_refused(tmp_path)):
+    if use_odirect and (reason := odirect_refusal(tmp_path)):
         pytest.skip(reason)
     b = FileBackend(tmp_path / "s", use_odirect=use_odirect)
     layer_bytes = (20 << 20) + 7
@@ -398,7 +379,7 @@ def test_corrupt_bytes_are_returned_as_stored_and_a_short_stripe_is_a_miss(backe
 
 @pytest.mark.timeout(60)
 def test_odirect_and_buffered_reads_give_the_same_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    if reason := _odirect_refused(tmp_path):
+    if reason := odirect_refusal(tmp_path):
         pytest.skip(reason)
     root = tmp_path / "s"
     buffered, direct = FileBackend(root), FileBackend(root, use_odirect=True)

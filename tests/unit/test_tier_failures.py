@@ -1,18 +1,23 @@
 """A tier that fails a save or a lookup: the call is a skipped save or a miss, and the shard is left alone for
-``backend_retry_s`` before it is asked again.
+``backend_retry_s`` before it is asked again. A file tier whose file system is full is no failure: the save is
+skipped and counted (``saves_skipped_no_space``), and the next one is written as soon as there is space.
 
 Driven through the engine-less harness (:mod:`tests.unit.scheduler_worker_harness`), with failures injected by
-``FlakyBackend``. The back-off windows are read on a virtual clock (:func:`virtual_monotonic`): a busy machine can
-neither end one early nor make a test sleep it out.
+``FlakyBackend`` (a full file system: a real small tmpfs, ``tests/conftest.py``). The back-off windows are read on a
+virtual clock (:func:`virtual_monotonic`): a busy machine can neither end one early nor make a test sleep it out.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 import range_connector.scheduler.lookup as lookup_module
 import range_connector.worker.saves as saves_module
+from range_connector.backends.file.backend import FileBackend
 from range_connector.errors import BackendError, BackendTimeoutError
+from tests.filesystems import fill_up
 from tests.unit.clocks import virtual_monotonic
 from tests.unit.scheduler_worker_harness import (
     Engine,
@@ -106,3 +111,27 @@ def test_lookup_error_is_a_miss_and_the_tier_is_not_asked_again_for_backend_retr
     assert sum(f.calls["get_tickets"] for f in flaky) == calls + num_shards  # one ticket read per shard
     a.close()
     b.close()
+
+
+# ---------------------------------------------------------------------------------------------------- full tier
+@pytest.mark.timeout(30)
+def test_a_save_to_a_full_file_tier_is_counted_as_no_space_and_the_next_is_written_once_there_is_space(
+        small_tmpfs: Path) -> None:
+    tier = FileBackend(small_tmpfs / "shard-0", timeout_s=10.0)
+    eng = Engine([tier], seed=3)
+    filler = fill_up(small_tmpfs / "filler")
+    eng.admit(FakeRequest("r0", prompt_tokens(70, seed=30)))
+    eng.step()  # ENOSPC: skipped, not an error, and the shard is not counted down
+    assert eng.worker.stats["saves_skipped_no_space"] == 1 and tier.counters.saves_skipped_no_space == 1
+    assert eng.worker.stats["save_errors"] == eng.worker.stats["saves_skipped_capacity"] == 0
+    assert eng.worker.stats["saved_chunks"] == 0 and tier.used_bytes() == 0
+    filler.unlink()
+    p1 = prompt_tokens(70, seed=31)
+    eng.admit(FakeRequest("r1", p1))
+    s1 = eng.step()  # at once: no back-off after a full disk
+    assert eng.worker.stats["saved_chunks"] == 2 and saved_hashes(s1.worker_meta) == chain(p1, 32)[:2]
+    assert eng.worker.stats["saves_skipped"] == 0 and eng.worker.stats["saves_skipped_no_space"] == 1
+    reader = Engine([FileBackend(small_tmpfs / "shard-0")], seed=4)
+    assert reader.sched.get_num_new_matched_tokens(FakeRequest("x1", p1), 0) == (64, False)
+    eng.close()
+    reader.close()

@@ -26,7 +26,10 @@ at them first), then reserves its bytes by creating its temp file at full size; 
 and publishes under it (rename, then append its tickets). The stripe bytes never exceed ``capacity_bytes``; the
 budget excludes the header page (4 KiB per stripe) and the ticket log, as Valkey's excludes its keys. A crashed
 writer's temp files (idle ``max(60, 10 * timeout_s)`` s) go at the next eviction; tickets of stripes that are gone
-go at the next rewrite of the log.
+go at the next rewrite of the log. A full file system (``ENOSPC``, ``EDQUOT``, wherever the save meets it) skips the
+save: ``write_stripe`` returns ``False`` and counts ``saves_skipped_no_space`` (one log line until a save is stored
+again, :attr:`FileBackend.out_of_space` meanwhile), having removed what it wrote (its temp file; its stripe, if its
+tickets could not be appended).
 
 Durability: a save's bytes are in the page cache before its tickets are published, so every process that sees a
 ticket reads the stripe, even if the writer died. ``fsync=True`` adds power-loss durability (three fsyncs per
@@ -44,6 +47,7 @@ cache) is one ``preadv`` per MiB, each inside the destination's gate, its digest
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import time
@@ -65,12 +69,16 @@ from range_connector.backends.file.stripes import (
     DeviceRead,
     StripeFiles,
     flat,
+    logger,
     stripe_pieces,
     touch,
     unlink,
 )
 from range_connector.backends.file.ticket_log import TicketLog
 from range_connector.errors import BackendError, BackendTimeoutError
+
+#: errors of a file system that is full: the save is skipped (``saves_skipped_no_space``), never an error
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @functools.cache
@@ -135,9 +143,18 @@ class FileBackend(Backend):
         # The ticket log as replayed here (guarded by its lock; appends also hold the file lock).
         self._log = TicketLog(self.root, self.name, self._count, fsync)
         self.epoch_hint = self._epoch()  # (the file is replaced by a rename: readable without the lock)
+        #: set when a save is skipped for lack of space on the file system (ENOSPC, EDQUOT), cleared by the next
+        #: save stored
+        self.out_of_space = False
 
     def refresh_epoch(self) -> None:
         self.epoch_hint = self._epoch()
+
+    @property
+    def direct_reads(self) -> bool:
+        """Whether reads bypass the page cache with O_DIRECT now: ``use_odirect`` until the file system refuses it
+        (``EINVAL``), then buffered reads for good, with one log line."""
+        return self._files.direct_reads
 
     @property
     def supports_gds(self) -> bool:
@@ -188,7 +205,7 @@ class FileBackend(Backend):
             return False
         puts = [[1, bytes(k), sid, bytes(raw)] for k, raw in write.tickets]
 
-        def task(call: Call) -> bool:
+        def store(call: Call) -> bool:
             tmp = self._files.path(f"{sid}.{uuid.uuid4().hex}.tmp")
             with self._locked(call):
                 if self.capacity_bytes is not None and not make_room(self.root, need, self.capacity_bytes,
@@ -214,7 +231,13 @@ class FileBackend(Backend):
                     touch(fd)
                     os.rename(tmp, self._files.path(sid))
                     if puts:  # published last: a reader that sees a ticket finds its stripe
-                        self._log.publish(puts)
+                        try:
+                            self._log.publish(puts)
+                        except BaseException:
+                            # nobody will read it: a failed append leaves no part of its frame (only a failed
+                            # fsync leaves its tickets, pointing at a stripe that is gone: a miss)
+                            unlink(self._files.path(sid))
+                            raise
                     if self.fsync:
                         dir_fd = os.open(self.root / "stripes", os.O_RDONLY | os.O_DIRECTORY)
                         os.fsync(dir_fd)
@@ -225,6 +248,23 @@ class FileBackend(Backend):
             finally:
                 os.close(fd)
             return True
+
+        def task(call: Call) -> bool:
+            try:
+                stored = store(call)
+            except OSError as exc:
+                if exc.errno not in _NO_SPACE:
+                    raise
+                self._count(saves_skipped_no_space=1)  # (what it wrote was removed on the way out)
+                if not self.out_of_space:
+                    logger.warning("%s: no space left for stripe %s (%s); saves are skipped until there is",
+                                   self.name, sid, exc)
+                self.out_of_space = True
+                return False
+            if stored and self.out_of_space:
+                logger.info("%s: saves are stored again", self.name)
+                self.out_of_space = False
+            return stored
 
         stored = self._run("write_stripe", [task])[0]
         if stored:

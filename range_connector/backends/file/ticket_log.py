@@ -5,8 +5,9 @@ Each call appends one frame (``len``, ``crc32``, msgpack ops: put ``[1, key, sid
 replays the log into a dict and reads only what was appended since, so a lookup is one read whatever the number of
 keys. Appends hold the shard's file lock; a writer rewrites the live tickets (those whose stripe file exists) into
 the next generation when the log has grown 4x, and every instance follows to the new file. A damaged frame ends the
-log where it starts (one warning); the next writer cuts a torn or damaged tail. The tier's layout and guarantees:
-:mod:`range_connector.backends.file.backend`.
+log where it starts (one warning); the next writer cuts a torn or damaged tail. An append that fails (a full file
+system) leaves no part of its frame; a rewrite that fails leaves the current generation in use (one warning). The
+tier's layout and guarantees: :mod:`range_connector.backends.file.backend`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class TicketLog:
         self.tickets: dict[bytes, tuple[str, bytes]] = {}
         self._by_stripe: dict[str, set[bytes]] = defaultdict(set)
         self._damaged: tuple[int, int] | None = None
+        self._rewrite_failed: int | None = None  # the generation whose rewrite last failed (warned once)
         self._dropped: list[bytes] = []
 
     def lookup(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -178,26 +180,41 @@ class TicketLog:
         """Append one frame (hold the file lock and ``lock``; after ``_catch_up(writer=True)``)."""
         payload = msgpack.packb(ops)
         frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-        written = os.write(self._log_fd, frame)
         self._count(commands=1)
-        if written != len(frame):
-            os.ftruncate(self._log_fd, self._pos)
-            raise OSError(f"short write to the ticket log ({written} of {len(frame)} bytes)")
+        try:
+            rest = memoryview(frame)
+            while rest:  # (a short write is followed by one that says why: ENOSPC, EFBIG, ...)
+                rest = rest[os.write(self._log_fd, rest):]
+        except BaseException:
+            os.ftruncate(self._log_fd, self._pos)  # an incomplete frame, which no reader takes: cut it
+            raise
         if self.fsync:
             os.fsync(self._log_fd)
         self._apply(ops)
-        self._pos += written
+        self._pos += len(frame)
         self._log_base = self._log_base or self._pos
-        if self._pos > max(_COMPACT_MIN, 4 * self._log_base):  # rewrite the live tickets as the next generation
-            live = {n for n in os.listdir(self.root / "stripes") if n.isalnum()}
-            payload = msgpack.packb([[1, k, sid, raw] for k, (sid, raw) in self.tickets.items() if sid in live])
-            new = self._path(self._gen + 1)
-            tmp = new.with_name(f"{new.name}.{uuid.uuid4().hex}.tmp")
+        if self._pos > max(_COMPACT_MIN, 4 * self._log_base):
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        """Rewrite the live tickets as the next generation (hold the file lock and ``lock``). A failure (a full
+        file system) leaves the current generation as it is, with one warning: the next append tries again."""
+        live = {n for n in os.listdir(self.root / "stripes") if n.isalnum()}
+        payload = msgpack.packb([[1, k, sid, raw] for k, (sid, raw) in self.tickets.items() if sid in live])
+        new = self._path(self._gen + 1)
+        tmp = new.with_name(f"{new.name}.{uuid.uuid4().hex}.tmp")
+        try:
             with open(tmp, "xb") as f:
                 f.write(_FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
                 if self.fsync:
                     os.fsync(f.fileno())
             os.rename(tmp, new)
-            unlink(self._path(self._gen))
-            self._catch_up(writer=True)
-            self._log_base = self._pos
+        except OSError as exc:
+            unlink(tmp)
+            if self._rewrite_failed != self._gen:
+                self._rewrite_failed = self._gen
+                logger.warning("%s: ticket log %d not rewritten (%s); kept as it is", self.name, self._gen, exc)
+            return
+        unlink(self._path(self._gen))
+        self._catch_up(writer=True)
+        self._log_base = self._pos
