@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,6 +125,7 @@ class CostGate:
         self.config = config = config or GateConfig()
         # The DRAM tier keeps every shard in one process's memory: a load reads them all from one place.
         self.backend, self.num_shards = backend, 1 if backend == "memory" else num_shards
+        self._num_shards = num_shards  # (of the tiers that live elsewhere, in a hierarchy)
         self.bytes_per_token, self.num_layers = bytes_per_token, num_layers
         self.block_size, self.chunk_tokens = block_size, chunk_tokens
         prefill = calibration.prefill if calibration is not None else None
@@ -158,6 +160,51 @@ class CostGate:
                 d = decide(prompt_tokens, num_computed_tokens, hit_tokens, probe=True, **args)
         return d
 
+    def decide_runs(self, prompt_tokens: int, num_computed_tokens: int, runs: Sequence[tuple[str, int]]) -> Decision:
+        """Decide a hit that several tiers deliver, run by run (a tier hierarchy): each candidate is the hit up to
+        the end of one run (the DRAM run alone, DRAM and Valkey, ...), weighed with what its runs cost together
+        (:meth:`run_estimate`), and may itself be shortened (:func:`~range_connector.cost.decision.decide`); the
+        candidate with the shortest predicted prefill is taken, so a far tier slower than recompute for this prompt
+        is left out while the near one still serves. No probe here (the caller probes a left-out tier).
+
+        Args:
+            runs: ``[(tier type, end token)]`` in chain order, ends increasing (the last is the hit, block-rounded).
+
+        Raises:
+            ValueError: inconsistent inputs.
+        """
+        args = self._decide_args()
+        best: Decision | None = None
+        for k, (_, end) in enumerate(runs):
+            if end <= num_computed_tokens:
+                continue
+            d = decide(prompt_tokens, num_computed_tokens, end,
+                       **{**args, "tier": self.run_estimate(runs[:k + 1], num_computed_tokens)})
+            if best is None or (d.action is not Action.REFUSE and (
+                    best.action is Action.REFUSE or d.with_load_s < best.with_load_s)):
+                best = d
+        if best is None:
+            return decide(prompt_tokens, num_computed_tokens, num_computed_tokens, **args)
+        return best
+
+    def run_estimate(self, runs: Sequence[tuple[str, int]], num_computed_tokens: int) -> TierEstimate:
+        """One ``(B, T0)`` for a load of positions ``[num_computed_tokens, end of the last run)`` made of ``runs``
+        (``[(tier type, end token)]``): ``T0 = sum of each tier's T0``, ``B = bytes / sum(bytes_i / B_i)``, so that
+        ``T0 + bytes/B`` is the sum of the runs' own load times (one tier after the other on each shard)."""
+        t0_s, seconds, nbytes, start = 0.0, 0.0, 0.0, num_computed_tokens
+        for tier_type, end in runs:
+            n = max(0, end - max(start, num_computed_tokens))
+            start = max(start, end)
+            if n == 0:
+                continue
+            est = self.tiers.combined(tier_type, 1 if tier_type == "memory" else self._num_shards)
+            t0_s += est.t0_s
+            seconds += n * self.bytes_per_token / est.bandwidth_bytes_per_s
+            nbytes += n * self.bytes_per_token
+        if nbytes == 0:
+            return self.tiers.combined(self.backend, self.num_shards)
+        return TierEstimate(nbytes / seconds if seconds > 0 else float("inf"), t0_s)
+
     def refuses_any_hit(self, prompt_tokens: int, num_computed_tokens: int,
                         now_s: float | None = None) -> Decision | None:
         """The refusal of the largest hit this prompt could have (all of it but its last token), when even that
@@ -180,7 +227,8 @@ class CostGate:
         self.tiers.note_refusal(self.backend)
         return d
 
-    def predict_s(self, num_computed_tokens: int, hit_tokens: int) -> tuple[float, float]:
+    def predict_s(self, num_computed_tokens: int, hit_tokens: int,
+                  runs: Sequence[tuple[str, int]] | None = None) -> tuple[float, float]:
         """Predicted seconds to load prompt positions ``[num_computed_tokens, hit_tokens)`` and to recompute them
         instead (``T0 + h·s/B`` and ``Y``: :func:`~range_connector.cost.model.load_time_s`,
         :func:`~range_connector.cost.model.recompute_time_s`),
@@ -189,7 +237,8 @@ class CostGate:
         Raises:
             ValueError: ``hit_tokens < num_computed_tokens`` or a negative count.
         """
-        tier = self.tiers.combined(self.backend, self.num_shards)
+        tier = self.run_estimate(runs, num_computed_tokens) if runs else self.tiers.combined(self.backend,
+                                                                                             self.num_shards)
         return (load_time_s(hit_tokens - num_computed_tokens, self.bytes_per_token, tier.bandwidth_bytes_per_s,
                             tier.t0_s),
                 recompute_time_s(hit_tokens - num_computed_tokens, num_computed_tokens, self.rates.rate))
@@ -219,11 +268,11 @@ class CostGate:
         return round(decision.num_new_tokens * self.bytes_per_token / self.num_shards)
 
     def observe_load(self, shard_idx: int, num_bytes: int, seconds: float, *, lower_bound: bool = False,
-                     probe: bool = False) -> None:
+                     probe: bool = False, tier: str | None = None) -> None:
         """Learn from one shard's finished load (worker-measured, submission to last byte; ``lower_bound``: it ran
-        out of its deadline after ``seconds``; ``probe``: a probe of a refused tier; see
-        :meth:`TierEstimator.observe`)."""
-        self.tiers.observe(self.backend, shard_idx, num_bytes, seconds, lower_bound=lower_bound, probe=probe)
+        out of its deadline after ``seconds``; ``probe``: a probe of a refused tier; ``tier``: the tier type it
+        read, in a hierarchy (default the gate's); see :meth:`TierEstimator.observe`)."""
+        self.tiers.observe(tier or self.backend, shard_idx, num_bytes, seconds, lower_bound=lower_bound, probe=probe)
 
     def record_load(self, decision: Decision, realised_s: float) -> None:
         """Record the whole load's realised seconds against ``decision.load_s``."""

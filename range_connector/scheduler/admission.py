@@ -67,6 +67,9 @@ class Admission:
         self.probes: list[tuple[Ticket, ...]] = []
         self.decisions: dict[str, Decision] = {}
         self._probe_until = 0.0  # monotonic time until which a probe is in flight
+        self._probe_tier: str | None = None  # in a hierarchy: the tier type of the probe in flight
+        #: req_id -> in a hierarchy, the farthest tier type its committed load reads (its time is learnt as that's)
+        self.load_tiers: dict[str, str | None] = {}
         #: (when the last step was built, its scheduled tokens, its request ids)
         self._last_step: tuple[float, int, set[str]] | None = None
 
@@ -76,6 +79,8 @@ class Admission:
         looked up nor saved (:meth:`CostGate.refuses_any_hit`). A request whose previous lookup is still running
         (``pending``) is always looked up."""
         if self.gate is None or self.config.load_mode != "auto" or not self.remote or pending:
+            return None
+        if len(self.config.tiers) > 1:  # (a hierarchy: a nearer tier may pay where the far one does not)
             return None
         decision = self.gate.refuses_any_hit(num_prompt_tokens, num_computed_tokens)
         if decision is None:
@@ -89,6 +94,13 @@ class Admission:
         if self.gate is None:
             return
         c = lookup.num_computed_tokens
+        if lookup.runs:  # a tier hierarchy: weighed run by run; a left-out far tier is probed now and then
+            decision = self.gate.decide_runs(num_prompt_tokens, c, lookup.runs)
+            self._probe_left_out(lookup, decision)
+            lookup.decision = decision
+            lookup.num_hit_tokens = max(c, decision.hit_tokens)
+            lookup.mode = decision.mode.value
+            return
         decision = self.gate.decide(num_prompt_tokens, c, lookup.num_hit_tokens)
         if decision.is_probe and self.remote:
             if self._probe_slot_free(lookup):
@@ -100,6 +112,28 @@ class Admission:
         lookup.num_hit_tokens = max(c, decision.hit_tokens)
         lookup.mode = decision.mode.value
 
+    def _probe_left_out(self, lookup: LookupResult, decision: Decision) -> None:
+        """The first tier run the decision leaves out (a far tier slower than recompute for this prompt): have one
+        of its chunks read in the background when its probe is due, so that the tier is offered again once it is
+        fast again; else count the refusal toward its next probe."""
+        assert self.gate is not None and lookup.runs
+        start = lookup.num_computed_tokens
+        for tier_type, end in lookup.runs:
+            if end > decision.hit_tokens:
+                if not self.remote or tier_type == "memory":
+                    return
+                if self._probe_slot_free(lookup) and self.gate.tiers.should_probe(tier_type, time.monotonic()):
+                    idx = max(start, decision.hit_tokens) // self.chunk_tokens
+                    if idx < len(lookup.tickets):
+                        self.probes.append(lookup.tickets[idx])
+                        self._probe_until = time.monotonic() + 2.0 * self.config.tier.timeout_s
+                        self._probe_tier = tier_type
+                        self.stats["tier_probes"] = self.stats.get("tier_probes", 0) + 1
+                else:
+                    self.gate.tiers.note_refusal(tier_type)
+                return
+            start = end
+
     def check_deadline(self, lookup: LookupResult) -> None:
         """The fixed load modes: predict the hit's load, and in ``pipelined`` or ``async`` on a tier that lives
         elsewhere, do not offer a load predicted to take longer than its own deadline (:meth:`CostGate.deadline_s`:
@@ -110,7 +144,7 @@ class Admission:
         comparison) always loads."""
         if self.gate is None:
             return
-        lookup.predicted_s = self.gate.predict_s(lookup.num_computed_tokens, lookup.num_hit_tokens)
+        lookup.predicted_s = self.gate.predict_s(lookup.num_computed_tokens, lookup.num_hit_tokens, lookup.runs)
         if lookup.mode == "sync" or not self.remote:
             return
         load_s, recompute_s = lookup.predicted_s
@@ -126,7 +160,17 @@ class Admission:
         lookup.num_hit_tokens = lookup.num_computed_tokens
 
     def commit(self, req_id: str, lookup: LookupResult, num_external_tokens: int) -> None:
-        """vLLM committed to the lookup (``update_state_after_alloc``): the gate counts the decision."""
+        """vLLM committed to the lookup (``update_state_after_alloc``): the gate counts the decision; in a tier
+        hierarchy the load's time is later learnt as its farthest tier's (conservative: the nearer runs' time is
+        counted to it too)."""
+        if lookup.runs and num_external_tokens > 0:
+            end = lookup.num_computed_tokens + num_external_tokens
+            start, loaded = lookup.num_computed_tokens, []
+            for tier_type, e in lookup.runs:
+                if start < end:
+                    loaded.append(tier_type)
+                start = e
+            self.load_tiers[req_id] = loaded[-1] if loaded else None
         if lookup.decision is not None and self.gate is not None:
             self.gate.commit(lookup.decision)
             if num_external_tokens > 0:
@@ -170,19 +214,31 @@ class Admission:
             return
         for shard_bytes, seconds, complete in report.probe_timings:
             self._probe_until = 0.0
-            for shard_idx in range(self.gate.num_shards):
-                self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=True)
+            tier, self._probe_tier = self._probe_tier, None
+            for shard_idx in range(self._num_shards(tier)):
+                self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=True,
+                                       tier=tier)
         for req_ids, shard_bytes, seconds, complete in slowest_rank_per_load(report.load_timings):
             decisions = [d for d in (self.decisions.pop(r, None) for r in req_ids) if d is not None]
             probe = bool(decisions) and all(d.is_probe for d in decisions)
-            for shard_idx in range(self.gate.num_shards):
-                self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=probe)
+            tiers = {self.load_tiers.pop(r, None) for r in req_ids}
+            tier = next(iter(tiers)) if len(tiers) == 1 else None  # (a job of loads from several tiers: the gate's)
+            for shard_idx in range(self._num_shards(tier)):
+                self.gate.observe_load(shard_idx, shard_bytes, seconds, lower_bound=not complete, probe=probe,
+                                       tier=tier)
             for decision in decisions:
                 self.gate.record_load(decision, seconds)
 
     def forget(self, req_id: str) -> None:
         """The request ended."""
         self.decisions.pop(req_id, None)
+        self.load_tiers.pop(req_id, None)
+
+    def _num_shards(self, tier: str | None) -> int:
+        assert self.gate is not None
+        if tier is None:
+            return self.gate.num_shards
+        return 1 if tier == "memory" else self.config.num_shards
 
     def _probe_slot_free(self, lookup: LookupResult) -> bool:
         """Whether no probe is in flight and the lookup has a stored chunk past what vLLM holds to probe."""

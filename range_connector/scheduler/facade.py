@@ -51,7 +51,7 @@ from range_connector.scheduler.planning import (
     scheduled_progress,
 )
 from range_connector.scheduler.request_input import RequestInputs
-from range_connector.scheduler.tiers import Promotions, TieredLookup, entry_tier
+from range_connector.scheduler.tiers import Promotions, TieredLookup, entry_tier, tier_runs
 
 if TYPE_CHECKING:
     from range_connector.scheduler.engine_view import EngineRequest, StepSchedule
@@ -124,7 +124,7 @@ class RangeScheduler:
         gate: CostGate | None = None
         if can_load and num_layers > 0 and layer_block_bytes > 0:
             calibration = load_calibration(config.calibration_file) if config.calibration_file else None
-            gate = CostGate(config.tier.type, config.num_shards,
+            gate = CostGate(config.tiers[-1].type, config.num_shards,  # (a hierarchy: weighed run by run)
                             layout_bytes_per_token(layer_block_bytes, num_layers, block_size), num_layers,
                             block_size, self.chunk_tokens, calibration=calibration)
         self.admission = Admission(config, gate, self.chunk_tokens, remote=lookup_backends is not None,
@@ -212,6 +212,9 @@ class RangeScheduler:
         self.stats["lookups"] += 1
         mode = self.config.load_mode
         lookup = LookupResult(hashes, tickets, stored, num_computed_tokens, hit, mode, tail, has_tail)
+        if len(self.config.tiers) > 1:
+            lookup.runs = tier_runs(tickets, [t.type for t in self.config.tiers], self.chunk_tokens,
+                                    num_computed_tokens, hit)
         self._lookups[req_id] = lookup
         if not self.can_load:
             return 0, False

@@ -66,6 +66,8 @@ class LookupResult:
     #: predicted (load_s, recompute_s) of the hit, when the configuration chose its mode (no gate decision)
     predicted_s: tuple[float, float] | None = None
     skip_saves: bool = False  # see RequestState.skip_saves
+    #: in a tier hierarchy, ``[(tier type, end token)]``: the hit's runs, tier by tier, in chain order
+    runs: list[tuple[str, int]] | None = None
 
 
 def plan_load(state: RequestState, lookup: LookupResult, block_ids: Sequence[int], num_external_tokens: int, *,

@@ -147,3 +147,25 @@ class Promotions:
             if len(self._loads) > self.MAX_TRACKED:
                 self._loads.popitem(last=False)
         return out
+
+
+def tier_runs(entries: Sequence[Entry], tier_types: Sequence[str], chunk_tokens: int, num_computed_tokens: int,
+              hit_tokens: int) -> list[tuple[str, int]]:
+    """The hit ``[0, hit_tokens)`` as runs of chunks of one tier: ``[(tier type, end token)]`` in chain order,
+    ends increasing, the last one ``hit_tokens``; runs that end at or before ``num_computed_tokens`` are left out
+    (vLLM holds them). ``entries``: the lookup's, one per stored chunk (and the tail's last)."""
+    runs: list[tuple[str, int]] = []
+    for c, entry in enumerate(entries):
+        start = c * chunk_tokens
+        if start >= hit_tokens:
+            break
+        tier = entry_tier(entry)
+        name = tier_types[tier] if tier < len(tier_types) else "?"
+        end = min((c + 1) * chunk_tokens, hit_tokens)
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, end)
+        else:
+            runs.append((name, end))
+    if runs:
+        runs[-1] = (runs[-1][0], hit_tokens)
+    return [r for r in runs if r[1] > num_computed_tokens]

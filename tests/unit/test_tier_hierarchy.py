@@ -17,6 +17,7 @@ from range_connector.backends.tiered import TieredBackend, stripe_tier, tag_stri
 from range_connector.config.tree import TierConfig
 from range_connector.kv.tickets import Ticket, ticket_key
 from range_connector.scheduler.tiers import _tag, entry_tier
+from tests.unit.clocks import instant_probes, probe_timings_once_back
 from tests.unit.scheduler_worker_harness import (
     CHUNK_BYTES_DENSE_32,
     Engine,
@@ -29,13 +30,13 @@ from tests.unit.scheduler_worker_harness import (
 )
 
 def _engine(far: list, *, seed: int, promote_after_hits: int = 2, dram_bytes: int = 64 * MiB,
-            far_type: str = "file") -> tuple[Engine, MemoryBackend]:
+            far_type: str = "file", **config) -> tuple[Engine, MemoryBackend]:
     dram = MemoryBackend(dram_bytes, name="dram")
     worker = [TieredBackend([dram, b]) for b in far]
     sched = [TieredBackend([None, b]) for b in far]
     tiers = (TierConfig("memory", index=0), TierConfig(far_type, index=1))
     eng = Engine(worker, lookup_backends=sched, num_shards=len(far), seed=seed, tiers=tiers,
-                 promote_after_hits=promote_after_hits)
+                 promote_after_hits=promote_after_hits, **config)
     return eng, dram
 
 
@@ -184,3 +185,41 @@ def test_tags_route_and_a_stored_id_that_looks_tagged_is_a_miss() -> None:
     assert _tag((ticket,), 0) is None and _tag((ticket,), 1) is None  # storage is untrusted: a miss
     fine = Ticket("ab" * 16, 0, 1, 1, 1, 1, 16, (0,), (), 0, 1)
     assert _tag(((fine, fine),), 1)[0][0].stripe_id == "T1" + "ab" * 16  # pieces are tagged too
+
+
+def _slow(gate, tier: str, num_shards: int, seconds_per_mib: float) -> None:
+    """Teach the gate one tier's speed as the workers' load timings would (``observe_load`` per shard)."""
+    for _ in range(8):
+        for s in range(num_shards):
+            gate.observe_load(s, MiB, seconds_per_mib, tier=tier)
+
+
+@pytest.mark.timeout(60)
+def test_the_gate_weighs_each_tier_run_and_leaves_out_a_far_tier_slower_than_recompute(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """load_mode auto: with both tiers fast the whole hit is taken; once the file tier is learnt slower than
+    recompute, the next request takes the DRAM run and recomputes the rest, and the left-out tier is probed (one of
+    its chunks read in the background), which teaches the gate its speed again."""
+    files = _files(tmp_path)
+    eng, dram = _engine(files, seed=46, promote_after_hits=0, load_mode="auto")
+    prompt = prompt_tokens(150, seed=46)
+    _produce(eng, "P-0", prompt)
+    _forget_in_dram(eng, dram, prompt, range(2, 4))
+    gate = eng.sched.gate
+    assert gate is not None
+    _slow(gate, "memory", 1, 1e-4)
+    _slow(gate, "file", 2, 1e-4)
+    assert eng.sched.get_num_new_matched_tokens(FakeRequest("fast", prompt), 0)[0] == 128
+    _slow(gate, "file", 2, 5.0)  # a far tier that slowed down (5 s per MiB: slower than recompute here)
+    assert eng.sched.get_num_new_matched_tokens(FakeRequest("slow", prompt), 0)[0] == 64  # the DRAM run only
+    [probe] = eng.sched.admission.probes
+    assert {stripe_tier(t.stripe_id)[0] for t in probe} == {1}  # a chunk of the left-out run, on the file tier
+    instant_probes(monkeypatch)  # (the probe timed on a virtual clock: 0.1 ms, a fast tier again)
+    samples = gate.tiers.num_samples("file", 0)
+    slow_file_s = gate.predict_s(64, 128, [("file", 128)])[0]
+    assert probe_timings_once_back(eng, eng.step(forward=False))  # sent with the next step, timed, reported
+    assert gate.tiers.num_samples("file", 0) > samples  # learnt as the file tier's, not the gate's default
+    assert gate.predict_s(64, 128, [("file", 128)])[0] < slow_file_s  # a fast probe: the run is predicted faster
+    _slow(gate, "memory", 1, 5.0)  # the DRAM run, which every candidate starts with, slower too: refused
+    assert eng.sched.get_num_new_matched_tokens(FakeRequest("none", prompt), 0)[0] == 0
+    eng.close()
