@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from range_connector.backends.base import Backend, RangeRead
+from range_connector.backends.tiered import stripe_tier
 from range_connector.errors import BackendError
 from range_connector.worker.counters import Counters
 
@@ -41,14 +42,23 @@ class ShardReads:
         self.stats = stats
         self.missing: set[tuple[int, str]] = set()
         self.errored: set[tuple[int, str]] = set()
-        self.failed_shards: set[int] = set()
+        self.failed_shards: set[tuple[int, int]] = set()  # (shard, tier)
         self.lock = threading.Lock()
 
     def read(self, s: int, reads: list[RangeRead], *, cancelled: threading.Event, deadline: float) -> None:
-        """One batched ranged read of shard ``s`` into the reads' destinations; failures are recorded, never
-        raised. Nothing is read once the job is ``cancelled``, past its ``deadline`` (``time.monotonic()``), or from
-        a shard that failed."""
-        if cancelled.is_set() or s in self.failed_shards or time.monotonic() > deadline:
+        """One batched ranged read of shard ``s`` into the reads' destinations (in a tier hierarchy one per tier
+        the reads' stripes are on, so that a failing far tier fails only its own reads); failures are recorded,
+        never raised. Nothing is read once the job is ``cancelled``, past its ``deadline`` (``time.monotonic()``),
+        or from a shard (of a tier) that failed."""
+        by_tier: dict[int, list[RangeRead]] = {}
+        for r in reads:
+            by_tier.setdefault(stripe_tier(r.stripe_id)[0], []).append(r)
+        for tier, tier_reads in by_tier.items():
+            self._read(s, tier, tier_reads, cancelled=cancelled, deadline=deadline)
+
+    def _read(self, s: int, tier: int, reads: list[RangeRead], *, cancelled: threading.Event,
+              deadline: float) -> None:
+        if cancelled.is_set() or (s, tier) in self.failed_shards or time.monotonic() > deadline:
             with self.lock:
                 self.errored.update((s, r.stripe_id) for r in reads)
             return
@@ -64,7 +74,7 @@ class ShardReads:
             if not cancelled.is_set():  # (a cancelled direct receive ends with its gate's refusal)
                 logger.warning("Range load from shard %d: %s", s, exc)
                 self.stats.add("load_backend_errors")
-            self.failed_shards.add(s)
+            self.failed_shards.add((s, tier))
             with self.lock:
                 self.errored.update((s, r.stripe_id) for r in reads)
 

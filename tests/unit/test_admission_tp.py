@@ -16,9 +16,9 @@ class RecordingGate(CostGate):
         super().__init__("valkey", 2, 2048.0, 4, 128, 256)
         self.observed: list[tuple[int, int, float, bool]] = []
 
-    def observe_load(self, shard_idx, num_bytes, seconds, *, lower_bound=False, probe=False) -> None:
+    def observe_load(self, shard_idx, num_bytes, seconds, *, lower_bound=False, probe=False, tier=None) -> None:
         self.observed.append((shard_idx, num_bytes, seconds, lower_bound))
-        super().observe_load(shard_idx, num_bytes, seconds, lower_bound=lower_bound, probe=probe)
+        super().observe_load(shard_idx, num_bytes, seconds, lower_bound=lower_bound, probe=probe, tier=tier)
 
 
 def test_two_ranks_reports_of_one_job_are_one_sample_of_the_slowest_rank() -> None:

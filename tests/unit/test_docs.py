@@ -31,7 +31,7 @@ import pytest
 
 from range_connector.cli import build_parser
 from range_connector.config import RangeConfig
-from range_connector.metrics import PROM_COUNTERS, PROM_GATE, PROM_REJECTED
+from range_connector.metrics import PROM_COUNTERS, PROM_GATE, PROM_REJECTED, PROM_TIER_COUNTERS
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -234,8 +234,8 @@ def test_the_docs_show_the_commands() -> None:
 
 # ------------------------------------------------------------------------------------------ metrics named
 def test_every_counter_named_exists() -> None:
-    exported = {name + "_total" for name, _help in PROM_COUNTERS.values()} | {PROM_GATE[0] + "_total",
-                                                                            PROM_REJECTED[0] + "_total"}
+    exported = {name + "_total" for name, _help in (*PROM_COUNTERS.values(), *PROM_TIER_COUNTERS.values())} | {
+        PROM_GATE[0] + "_total", PROM_REJECTED[0] + "_total"}
     for doc in DOCS:
         named = set(re.findall(r"vllm:range_\w+", doc.read_text()))
         assert named <= exported, f"{doc_id(doc)} names counters Range does not export: {sorted(named - exported)}"

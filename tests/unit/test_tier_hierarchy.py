@@ -15,12 +15,14 @@ from range_connector.backends.file.backend import FileBackend
 from range_connector.backends.memory import MemoryBackend
 from range_connector.backends.tiered import TieredBackend, stripe_tier, tag_stripe
 from range_connector.config.tree import TierConfig
+from range_connector.errors import BackendError
 from range_connector.kv.tickets import Ticket, ticket_key
 from range_connector.scheduler.tiers import _tag, entry_tier
 from tests.unit.clocks import instant_probes, probe_timings_once_back
 from tests.unit.scheduler_worker_harness import (
     CHUNK_BYTES_DENSE_32,
     Engine,
+    FlakyBackend,
     FakeRequest,
     MiB,
     chain,
@@ -222,4 +224,33 @@ def test_the_gate_weighs_each_tier_run_and_leaves_out_a_far_tier_slower_than_rec
     assert gate.predict_s(64, 128, [("file", 128)])[0] < slow_file_s  # a fast probe: the run is predicted faster
     _slow(gate, "memory", 1, 5.0)  # the DRAM run, which every candidate starts with, slower too: refused
     assert eng.sched.get_num_new_matched_tokens(FakeRequest("none", prompt), 0)[0] == 0
+    eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_far_tier_that_dies_mid_load_shortens_the_hit_to_what_dram_delivered(tmp_path: Path) -> None:
+    """The far tier answers the lookup, then fails every read: the chunks from DRAM land byte-exact, the far run's
+    blocks are reported failed (vLLM recomputes them), the far tier's stripes were leased for the load and the
+    leases are released, and nothing is left promised."""
+    files = _files(tmp_path)
+    flaky = [FlakyBackend(f, f"flaky-{s}") for s, f in enumerate(files)]
+    eng, dram = _engine(flaky, seed=47, promote_after_hits=0)
+    prompt = prompt_tokens(150, seed=47)
+    src = _produce(eng, "P-0", prompt)
+    saved = snapshot(eng.kv)
+    _forget_in_dram(eng, dram, prompt, range(2, 4))
+    assert _tiers_of(eng, prompt) == [0, 0, 1, 1]
+    assert eng.admit(FakeRequest("L-0", prompt)) == 128
+    assert [f.num_leases() for f in files] == [1, 1]  # the far run's stripe on each shard, leased until loaded
+    for f in flaky:
+        f.fail_read = BackendError  # the tier dies after its lookup answered
+    dst = eng.running["L-0"].block_ids
+    res = eng.step(forward=False)
+    assert res.invalid_block_ids == set(dst[4:8])  # chunks 2, 3: two blocks each
+    for i in range(4):
+        assert same_block(res.after_load, dst[i], saved, src[i]), f"block {i}"
+    assert [f.num_leases() for f in files] == [0, 0]
+    counts = eng.sched.tally.counts
+    assert counts["loaded_tokens@memory"] == 64 and counts.get("loaded_tokens@file", 0) == 0
+    assert counts["failed_tokens"] == 64
     eng.close()
