@@ -50,5 +50,7 @@ class Payload:
         #: ``[layers, payload blocks, words]``: the payload's bytes in block order (resident source, expectation).
         self.image = torch.stack([r.index_select(0, self.src_ids) for r in self.kv.rows])
 
-    def equal_at(self, dst: KV, dst_ids: torch.Tensor) -> bool:
-        return all(torch.equal(d.index_select(0, dst_ids), self.image[i]) for i, d in enumerate(dst.rows))
+    def equal_at(self, dst: KV, dst_ids: torch.Tensor, lo: int = 0, hi: int | None = None) -> bool:
+        """Payload blocks ``[lo, hi)`` (default all) are at ``dst_ids[lo:hi]`` of ``dst``, byte for byte."""
+        hi = len(dst_ids) if hi is None else hi
+        return all(torch.equal(d.index_select(0, dst_ids[lo:hi]), self.image[i][lo:hi]) for i, d in enumerate(dst.rows))

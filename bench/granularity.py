@@ -59,6 +59,7 @@ Usage::
     .venv/bin/python bench/granularity.py --smoke         # 16 MiB, C = 32 and 128, 2 repeats, no LMCache
     .venv/bin/python bench/granularity.py --no-lmcache --chunk-tokens 32,1024
     .venv/bin/python bench/granularity.py --no-lmcache --backends valkey --security   # AUTH and TLS beside plain
+    .venv/bin/python bench/granularity.py --no-lmcache --backends valkey --tiers       # half from DRAM, half Valkey
 
 ``--security`` restores the same payload three ways, interleaved in one group of rounds: ``range_valkey`` (plain
 TCP, no AUTH), ``range_valkey_auth`` (a second embedded server with ``requirepass``; the password in the URL, so
@@ -88,7 +89,7 @@ import torch
 from bench_common import GIB, MIB, REPO, busy_cores, git_state, log, machine_info, median, versions, wait_quiet
 from bench_kv_layout import BLOCK_SIZE, BYTES_PER_TOKEN_PER_LAYER, HEAD_SIZE, KV, NUM_KV_HEADS, NUM_LAYERS, Payload
 from granularity_baselines import SHIM_PATHS, ResidentCase, lmcache_unavailable_reason, run_shim
-from granularity_range import RangeCase, ServerStats, open_file_backend, valkey_data_path
+from granularity_range import RangeCase, ServerStats, TieredCase, open_file_backend, valkey_data_path
 from granularity_report import analyse, plot, print_report
 
 FORMAT_VERSION = 1
@@ -121,8 +122,9 @@ def run_interleaved(cases: list, phases: list[tuple[str, bool]], args: argparse.
                     case.traceback = traceback.format_exc()[-3000:]
     rows = []
     for case in cases:
-        for path_of, _ in phases:
-            path = path_of(case)
+        paths = [path_of(case) for path_of, _ in phases]
+        paths += [p for p in getattr(case, "rows", {}) if p not in paths]  # (a case that restores several parts)
+        for path in paths:
             row = case.rows.get(path) or {"path": path, "chunk_tokens": case.C,
                                           "family": "range" if isinstance(case, RangeCase) else "reference",
                                           "num_objects": args.payload_tokens // case.C * NUM_LAYERS}
@@ -130,7 +132,7 @@ def run_interleaved(cases: list, phases: list[tuple[str, bool]], args: argparse.
                 row.update(status="error", reason=case.error, traceback=getattr(case, "traceback", None))
             else:
                 per = row.get("per_repeat", [])
-                row.update(aggregate(per, args.payload_bytes))
+                row.update(aggregate(per, row.get("payload_bytes", args.payload_bytes)))
                 row["byte_exact"] = bool(per) and all(r["byte_exact"] for r in per)
                 row["status"] = "ok"
             rows.append(row)
@@ -181,6 +183,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--security", action="store_true",
                    help="with the valkey backend: also range_valkey_auth (AUTH) and range_valkey_tls (TLS relay) rows,\n"
                         "interleaved with range_valkey, and their ratios in the JSON's `security` section")
+    p.add_argument("--tiers", action="store_true",
+                   help="add the tier-hierarchy rows: half the payload from DRAM, half from Valkey, and each half "
+                        "alone (needs valkey in --backends)")
     p.add_argument("--shim-paths", default=",".join(SHIM_PATHS), help="shim paths to run")
     p.add_argument("--lmcache-timeout-s", type=float, default=150.0, help="limit per shim child (one path, one C)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold file rows")
@@ -310,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         elif "valkey" in args.backend_list and valkey_url:
             groups.append(("valkey", [RangeCase("valkey", c, args, payload, valkey_url, None, None)
                                       for c in args.chunks], [(lambda case: "range_valkey", False)]))
+        if args.tiers and "valkey" in args.backend_list and valkey_url:
+            groups.append(("dram + valkey", [TieredCase(c, args, payload, valkey_url) for c in args.chunks],
+                           [(lambda case: "range_dram_valkey", False)]))
         if file_factory is not None:
             phases = [(lambda case: "range_file_warm", False)]
             if not args.no_cold:
@@ -400,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     doc["analysis"] = analyse(rows, args.chunks, args.payload_tokens)
+    if args.tiers:
+        doc["tiers"] = tier_ratios(rows)
+        log(f"tiers (median restore, mixed over the halves): {json.dumps(doc['tiers']['ratios'])}")
     if args.security:
         doc["security"] = security_ratios(rows, secure)
         log(f"security (median restore against range_valkey): {json.dumps(doc['security']['ratios'])}")
@@ -458,6 +469,24 @@ class SecureServers:
 
     def close(self) -> None:
         self.relay.close()
+
+
+def tier_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per chunk size: the mixed restore (half from DRAM, half from Valkey) over the sum of the two halves restored
+    alone (acceptance: at most 1.1) and over the slower half (1.0 would be perfect overlap of the two tiers)."""
+    medians: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("restore_s_median") and r["path"] in TieredCase.PARTS:
+            medians.setdefault(r["path"], {})[r["chunk_tokens"]] = r["restore_s_median"]
+    mixed, dram, far = (medians.get(p, {}) for p in ("range_dram_valkey", "range_dram_half", "range_valkey_half"))
+    ratios = {}
+    for c in sorted(mixed):
+        if c in dram and c in far:
+            ratios[str(c)] = {"mixed_s": mixed[c], "dram_half_s": dram[c], "valkey_half_s": far[c],
+                              "mixed_over_sum": round(mixed[c] / (dram[c] + far[c]), 4),
+                              "mixed_over_slower": round(mixed[c] / max(dram[c], far[c]), 4)}
+    return {"ratios": ratios, "note": "one TieredBackend per worker; a shard reads its tiers one after the other, "
+                                      "so the mixed restore is expected near the sum, not the slower half"}
 
 
 def security_ratios(rows: list[dict[str, Any]], secure: SecureServers | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from range_connector.backends.memory import MemoryBackend
 from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
 from range_connector.kv.namespace import namespace_fingerprint, prefix_hash_chain
+from range_connector.kv.tickets import ticket_key
 from range_connector.scheduler.facade import RangeScheduler
 from range_connector.worker.facade import RangeWorker
 
@@ -188,6 +190,25 @@ class RangeCase:
             info = {"file_root": str(self.file_root)}
             self.driven_by = ("RangeWorker.save / RangeScheduler.stored_prefix / RangeWorker.start_load over "
                               "FileBackend instances on one directory")
+        elif self.backend == "memory+valkey":  # a tier hierarchy: DRAM in front of the Valkey server
+            from range_connector.backends.tiered import TieredBackend
+            from range_connector.backends.valkey.client import ValkeyBackend
+
+            assert self.valkey_url
+            mem = MemoryBackend(capacity_bytes=None)
+            far = [ValkeyBackend(self.valkey_url, timeout_s=300.0) for _ in range(3)]
+            saver_b = TieredBackend([mem, far[0]], far_writes="sync")  # (every copy written before the restores)
+            loader_b = TieredBackend([mem, far[1]])
+            lookup_b = TieredBackend([None, far[2]])
+            self.closers += [saver_b.close, loader_b.close]
+            self.stats = ServerStats(self.valkey_url)
+            self.closers.append(self.stats.close)
+            config = dataclasses.replace(config, tiers=(TierConfig("memory", timeout_s=300.0, capacity_bytes=0),
+                                                        TierConfig("valkey", timeout_s=300.0, capacity_bytes=0,
+                                                                   index=1)), promote_after_hits=0)
+            self.driven_by = ("RangeWorker.save (write-through) / RangeScheduler.stored_prefix (TieredLookup: the "
+                              "DRAM index, then MGET of the tickets past it) / RangeWorker.start_load through one "
+                              "TieredBackend per worker; the second half of the chunks is forgotten by DRAM")
         else:
             raise ValueError(self.backend)
         self.loader_b, self.lookup_b = loader_b, lookup_b
@@ -225,12 +246,22 @@ class RangeCase:
         if saver.stats.get("saved_chunks", 0) != self.n_chunks:
             raise RuntimeError(f"saved {saver.stats.get('saved_chunks', 0)} of {self.n_chunks} chunks: "
                                f"{dict(saver.stats)}")
+        if self.backend == "memory+valkey":  # the second half leaves DRAM (its tickets; Valkey keeps it)
+            half = self.hashes[self.n_chunks // 2:]
+            mem.delete_tickets([ticket_key(h, 0) for h in half])
+            self.sched.lookup.learn([], half)
         self.setup_info = info
         self.gen = torch.Generator().manual_seed(args.seed + 99)
 
-    def restore(self, path: str, kind: str, cold: bool = False) -> None:
-        """One restore; ``kind``: ``warmup``, ``timed`` or ``breakdown`` (instrumented, not in the medians)."""
-        row = self.rows.get(path) or self.new_row(path)
+    def restore(self, path: str, kind: str, cold: bool = False, chunk_range: tuple[int, int] | None = None) -> None:
+        """One restore; ``kind``: ``warmup``, ``timed`` or ``breakdown`` (instrumented, not in the medians);
+        ``chunk_range``: restore only chunks ``[lo, hi)`` (default all)."""
+        lo, hi = chunk_range or (0, self.n_chunks)
+        row = self.rows.get(path)
+        if row is None:
+            row = self.new_row(path)
+            row["payload_bytes"] = self.args.payload_bytes * (hi - lo) // self.n_chunks
+            row["chunk_range"] = [lo, hi]
         dst, loader, stats = self.dst, self.loader, self.stats
         dst.buf.zero_()
         dst_ids = torch.randperm(dst.num_blocks, generator=self.gen)[:self.args.payload_blocks]
@@ -248,9 +279,9 @@ class RangeCase:
         # The load plan: what update_state_after_alloc builds (timed separately).
         dl, bpc = dst_ids.tolist(), self.bpc
         chunks = tuple(ChunkTransfer(i, self.hashes[i], tuple(range(bpc)), tuple(dl[i * bpc:(i + 1) * bpc]),
-                                     tickets[i]) for i in range(self.n_chunks))
+                                     tickets[i]) for i in range(lo, hi))
         meta = RangeConnectorMetadata(loads=[RequestTransfer(f"load-{time.monotonic_ns()}", chunks,
-                                                             self.args.payload_tokens)])
+                                                             (hi - lo) * self.C)])
         t2 = time.perf_counter()
         # Restore.
         c_before = self.loader_b.counters.snapshot()
@@ -278,7 +309,7 @@ class RangeCase:
         if failed:
             raise RuntimeError(f"{len(failed)} blocks failed to load; worker stats {dict(loader.stats)}")
         tv = time.perf_counter()
-        if not self.payload.equal_at(dst, dst_ids):
+        if not self.payload.equal_at(dst, dst_ids, lo * bpc, hi * bpc):
             raise RuntimeError(f"restored bytes differ from the source ({kind} restore)")
         verify_s = time.perf_counter() - tv
         rec = {
@@ -388,3 +419,29 @@ def _uninstrument(worker: RangeWorker, backend: Backend) -> None:
                 setattr(owner, attr, current.__range_bench_original__)
         elif current is not None:
             delattr(owner, attr)
+
+
+class TieredCase(RangeCase):
+    """DRAM in front of Valkey (``--tiers``): the payload saved through both tiers, its second half then forgotten
+    by DRAM. Each round restores, in rotated order, the first half alone (from DRAM), the second half alone (from
+    Valkey) and the whole payload (half from each, ``range_dram_valkey``), into the same destination."""
+
+    PARTS = ("range_dram_half", "range_valkey_half", "range_dram_valkey")
+
+    def __init__(self, chunk_tokens: int, args: argparse.Namespace, payload: Payload, valkey_url: str) -> None:
+        super().__init__("memory+valkey", chunk_tokens, args, payload, valkey_url, None, None)
+        self._round = 0
+
+    def setup(self) -> None:
+        if self.n_chunks < 2:
+            raise ValueError(f"{self.n_chunks} chunk(s) of {self.C} tokens: no halves to restore (a larger payload)")
+        super().setup()
+
+    def restore(self, path: str, kind: str, cold: bool = False, chunk_range: tuple[int, int] | None = None) -> None:
+        half = self.n_chunks // 2
+        ranges = {"range_dram_half": (0, half), "range_valkey_half": (half, self.n_chunks),
+                  "range_dram_valkey": (0, self.n_chunks)}
+        k = self._round % 3
+        self._round += 1
+        for part in self.PARTS[k:] + self.PARTS[:k]:
+            super().restore(part, kind, cold, chunk_range=ranges[part])

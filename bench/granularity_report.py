@@ -204,7 +204,7 @@ def print_report(doc: dict[str, Any]) -> None:
         sc = {json.dumps(r.get("server_commands_restore"), sort_keys=True) for r in rs}
         wc = {(r.get("worker_stats_restore") or {}).get("copy_launches") for r in rs}
         log(f"  {p}: backend {', '.join(sorted(cc))}" + ("" if len(cc) == 1 else "  <- VARIES"))
-        log(f"  {' ' * len(p)}  worker copy_launches {sorted(wc)}; server commands {', '.join(sorted(sc))}"
+        log(f"  {' ' * len(p)}  worker copy_launches {sorted(wc, key=str)}; server commands {', '.join(sorted(sc))}"
             + ("" if len(sc) == 1 else "  <- VARIES"))
         lk = [r.get("lookup_s_median") for r in rs]
         log(f"  {' ' * len(p)}  lookup median {min(lk) * 1e3:.2f}-{max(lk) * 1e3:.2f} ms; plan "

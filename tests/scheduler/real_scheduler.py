@@ -314,7 +314,7 @@ class RealEngine:
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
-        open_backends = range_connector.spec.open_shard_backends
+        open_backends = range_connector.spec.open_worker_backends
         self.backends: list[GatedBackend] = []
 
         def gated(*args: Any, **kwargs: Any) -> list[Backend]:
@@ -322,7 +322,7 @@ class RealEngine:
             self.backends.extend(made.values())
             return list(made.values())
 
-        with mock.patch.object(range_connector.spec, "open_shard_backends", gated):
+        with mock.patch.object(range_connector.spec, "open_worker_backends", gated):
             self.worker_connector = RangeConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         self.runner = FakeModelRunner(self.worker_connector, num_blocks,
                                       lambda: any(b.reads.held for b in self.backends))

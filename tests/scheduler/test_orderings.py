@@ -50,7 +50,8 @@ def _finish_in_the_loading_step(eng: RealEngine, how: str) -> None:
     assert order == [("request_finished", ("B",)), ("update_connector_output", ("B",))]
     eng.run()
     assert eng.range.tally.counts == {"loaded_tokens": STORED_TOKENS, "failed_tokens": 0, "aborted_tokens": 0,
-                                      "preempted_load_tokens": 0}, f"tally: {eng.range.tally.counts}"
+                                      "preempted_load_tokens": 0, "loaded_tokens@file": STORED_TOKENS}, \
+        f"tally: {eng.range.tally.counts}"
     eng.assert_settled()
     assert eng.freed["B"] == 1
 
