@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 # servers require a password by default); --security adds a second one whose password it sets.
                 # Every case's payload stays stored for the interleaved rounds: the limit holds them all (the
                 # TLS rows share the plain server).
-                cases_per_server = len(args.chunks) * (2 if args.security else 1)
+                cases_per_server = len(args.chunks) * (2 if args.security else 1) + (len(args.chunks) if args.tiers
+                                                                                     else 0)
                 limit_bytes = max(1 << 30, int(1.25 * cases_per_server * args.payload_bytes) + (256 << 20))
                 urls = ensure_servers(2 if args.security else 1, runtime_dir, require_password=False,
                                       maxmemory_bytes=limit_bytes)
