@@ -172,6 +172,8 @@ PROM_TIER_COUNTERS: dict[str, tuple[str, str]] = {
                         "Chunks loaded from a farther tier that Range planned to copy into this tier (DRAM)."),
     "evicted_chunks": ("vllm:range_tier_evicted_chunks",
                        "Chunks the tier evicted to stay within its byte budget (the DRAM tier, each worker)."),
+    "demoted_chunks": ("vllm:range_tier_demoted_chunks",
+                       "Chunks the tier evicted and wrote to the next tier (write_policy write-back; each worker)."),
 }
 GATE_DECISIONS: dict[str, str] = {"decisions_taken": "taken", "decisions_shortened": "shortened",
                                   "decisions_refused": "refused", "decisions_probes": "probe"}

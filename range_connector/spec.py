@@ -220,6 +220,11 @@ class RangeSpec:
         storage), else on each shard's far-writer thread."""
         return "sync" if self.kv_role == "kv_producer" else "async"
 
+    @property
+    def write_back(self) -> bool:
+        """``write_policy`` ``"write-back"``, except on a producer (its saves must reach shared storage)."""
+        return self.config.write_policy == "write-back" and self.kv_role != "kv_producer"
+
     def rank_view(self, meta: RangeConnectorMetadata) -> RangeConnectorMetadata:
         """The scheduler's metadata as this rank's worker sees it: each chunk's tickets cut to the rank's ticket
         group (:func:`range_connector.kv.heads.group_view`)."""
@@ -237,12 +242,12 @@ class RangeSpec:
                 config, plan, rank, compat.cp_process_group(dcp=plan.splits_blocks), group.block_size,
                 group.layer_names, self.num_blocks,
                 open_worker_backends(config, shards_of_rank(rank, plan.num_writers, plan.num_shards),
-                                     far_writes=self.far_writes),
+                                     far_writes=self.far_writes, write_back=self.write_back),
                 tp_rank=self.tp_rank, **heads)
             return router.worker, router
         worker = RangeWorker(config, group.block_size, group.layer_names, self.num_blocks,
-                             open_worker_backends(config, far_writes=self.far_writes), tp_rank=self.tp_rank,
-                             **heads)
+                             open_worker_backends(config, far_writes=self.far_writes, write_back=self.write_back),
+                             tp_rank=self.tp_rank, **heads)
         if compat.mla_layer_hooks_missing(group.is_mla) and os.environ.get(NO_MLA_FALLBACK_ENV) != "1":
             logger.warning("Range: MLA attention on this platform takes its direct-call branch, which does not "
                            "call the connector's per-layer hooks, and the engine patch is not applied "

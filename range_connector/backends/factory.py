@@ -10,6 +10,7 @@ from range_connector.backends.base import Backend
 from range_connector.backends.memory import MemoryBackend
 from range_connector.backends.tiered import TieredBackend, leaf_backends
 from range_connector.config import RangeConfig
+from range_connector.kv.tickets import key_shard
 from range_connector.errors import BackendError, ConfigError
 
 if TYPE_CHECKING:
@@ -137,9 +138,10 @@ def open_tier_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = N
 
 
 def open_worker_backends(config: RangeConfig, shard_idxs: Sequence[int] | None = None, *,
-                         far_writes: str = "async") -> list[Backend]:
+                         far_writes: str = "async", write_back: bool = False) -> list[Backend]:
     """A worker's backends: :func:`open_shard_backends` of the one tier, or with several tiers one
-    :class:`~range_connector.backends.tiered.TieredBackend` per shard over all of them.
+    :class:`~range_connector.backends.tiered.TieredBackend` per shard over all of them (``write_back``: saves go to
+    the DRAM tier, whose evictions are demoted to the next tier of their shard).
 
     Raises:
         ConfigError: as :func:`open_tier_backends`.
@@ -147,9 +149,21 @@ def open_worker_backends(config: RangeConfig, shard_idxs: Sequence[int] | None =
     if len(config.tiers) == 1:
         return open_shard_backends(config, shard_idxs)
     tiers = open_tier_backends(config, shard_idxs)
-    return [TieredBackend([t[k] for t in tiers if t is not None], far_writes=far_writes,  # type: ignore[index]
-                          max_backlog_bytes=config.save_backlog_bytes)
-            for k in range(len(tiers[0] or ()))]
+    shards = list(range(config.num_shards)) if shard_idxs is None else list(shard_idxs)
+    composites = [TieredBackend([t[k] for t in tiers if t is not None], far_writes=far_writes,  # type: ignore[index]
+                                max_backlog_bytes=config.save_backlog_bytes, write_back=write_back)
+                  for k in range(len(shards))]
+    near = leaf_backends([composites[0].tiers[0]])[0] if composites else None
+    if write_back and isinstance(near, MemoryBackend):
+        by_shard = dict(zip(shards, composites))
+
+        def demote(stripe_id: str, values: list[bytes], tickets: list[tuple[bytes, bytes]]) -> None:
+            target = by_shard.get(key_shard(tickets[0][0]))  # (one stripe holds one shard's slice)
+            if target is not None:
+                target.demote(stripe_id, values, tickets)
+
+        near.on_evict = demote
+    return composites
 
 
 def open_scheduler_backends(config: RangeConfig) -> list[Backend] | None:

@@ -39,6 +39,10 @@ class MemoryBackend(Backend):
         self._lock = threading.Lock()
         #: ticket keys dropped by eviction since the last :meth:`take_evicted` (a scheduler-side index learns them).
         self._evicted: list[bytes] = []
+        #: called after a write evicted a stripe, outside the lock, with ``(stripe id, [num_layers] layer values,
+        #: [(ticket key, encoded ticket)])``: a tier hierarchy in write-back demotes it to the next tier
+        self.on_evict: Callable[[str, list[bytes], list[tuple[bytes, bytes]]], None] | None = None
+        self._just_evicted: list[tuple[str, list[bytes], list[tuple[bytes, bytes]]]] = []
 
     def used_bytes(self) -> int:
         return self._used_bytes
@@ -69,25 +73,33 @@ class MemoryBackend(Backend):
                 continue
             values = self._stripes.pop(stripe_id)
             self._used_bytes -= sum(len(v) for v in values)
+            tickets = []
             for key in self._stripe_tickets.pop(stripe_id, ()):
                 if self._tickets.get(key, ("",))[0] == stripe_id:
-                    del self._tickets[key]
+                    tickets.append((key, self._tickets.pop(key)[1]))
                     self._evicted.append(key)
+            if self.on_evict is not None and tickets:
+                self._just_evicted.append((stripe_id, values, tickets))
         return self._used_bytes + need_bytes <= self.capacity_bytes
 
     def write_stripe(self, write: StripeWrite) -> bool:
         self._check_write(write)
         need = write.nbytes
         with self._lock:
-            if not self._evict_for(need):
-                self._count(round_trips=1, commands=1)
-                return False
-            values = [bytes(v) for v in write.layer_values]
-            self._stripes[write.stripe_id] = values
-            self._stripe_tickets[write.stripe_id] = [k for k, _ in write.tickets]
-            self._used_bytes += need
-            for key, raw in write.tickets:
-                self._tickets[key] = (write.stripe_id, bytes(raw))
+            room = self._evict_for(need)
+            if room:
+                values = [bytes(v) for v in write.layer_values]
+                self._stripes[write.stripe_id] = values
+                self._stripe_tickets[write.stripe_id] = [k for k, _ in write.tickets]
+                self._used_bytes += need
+                for key, raw in write.tickets:
+                    self._tickets[key] = (write.stripe_id, bytes(raw))
+            evicted, self._just_evicted = self._just_evicted, []
+        for stripe_id, evicted_values, tickets in evicted:
+            self.on_evict(stripe_id, evicted_values, tickets)  # type: ignore[misc]
+        if not room:
+            self._count(round_trips=1, commands=1)
+            return False
         # One command per layer value and one for all the tickets (an MSET on Valkey): the cost of a write follows
         # layers and bytes, not the number of chunks (docs/architecture.md, principle 1).
         self._count(round_trips=1, commands=len(values) + bool(write.tickets), bytes_written=need,

@@ -6,12 +6,13 @@ lowercase hex, :func:`~range_connector.kv.stripes.new_stripe_id`, so a tag canno
 alphanumeric). A ticket without a tag is the nearest tier's. :class:`TieredBackend` routes every call that names
 stripes (reads, views, leases, drops) to the tier of each id, with the tag taken off; tier backends never see tags.
 
-Writes go through: a stripe is written to the nearest tier, then to each farther one (``far_writes``: ``"async"``,
-on this shard's far-writer thread once the nearest write returned, at most ``max_backlog_bytes`` waiting, past which a
-far copy is skipped and counted; ``"sync"``: before :meth:`TieredBackend.write_stripe` returns, for a producer whose
-announcement must point at shared storage). A write may name the tiers it goes to (``StripeWrite.tiers``: a
-promotion writes the nearest tier only). The stripe keeps one id on every tier, so a far tier's copy needs no other
-ticket.
+Writes go through by default: a stripe is written to the nearest tier, then to each farther one (``far_writes``:
+``"async"``, on this shard's far-writer thread once the nearest write returned, at most ``max_backlog_bytes``
+waiting, past which a far copy is skipped and counted; ``"sync"``: before :meth:`TieredBackend.write_stripe`
+returns, for a producer whose announcement must point at shared storage). A write may name the tiers it goes to
+(``StripeWrite.tiers``: a promotion writes the nearest tier only). The stripe keeps one id on every tier, so a far
+tier's copy needs no other ticket. With ``write_back`` a save writes the nearest tier only, and a stripe the DRAM
+tier evicts is written to the next tier then (a *demotion*; not for a stripe that was promoted from there).
 
 On the scheduler side the DRAM tier lives in the workers: its slot is ``None`` here and calls for its stripes do
 nothing (its loads need no lease).
@@ -65,13 +66,15 @@ class TieredBackend(Backend):
             process (the DRAM tier, seen from the scheduler).
         far_writes: ``"async"`` or ``"sync"`` (see the module docstring).
         max_backlog_bytes: layer bytes of far writes waiting at most (``"async"``).
+        write_back: saves write the nearest tier only; a stripe the DRAM tier evicts is written to the next tier
+            then (:meth:`demote`), unless it came from there (a promotion).
 
     Attributes:
         far_writes_skipped: far copies not written because the backlog was full or the write failed.
     """
 
     def __init__(self, tiers: Sequence[Backend | None], *, far_writes: str = "async",
-                 max_backlog_bytes: int = 256 << 20) -> None:
+                 max_backlog_bytes: int = 256 << 20, write_back: bool = False) -> None:
         present = [t for t in tiers if t is not None]
         if not present or len(tiers) > 9:
             raise ValueError(f"a tier hierarchy needs 1-9 tiers with at least one here, got {len(tiers)}")
@@ -87,6 +90,10 @@ class TieredBackend(Backend):
         self.supports_scatter = all(t.supports_scatter for t in present)
         self.counters = present[0].counters  # (the nearest tier's: its result is write_stripe's)
         self.far_writes_skipped = 0
+        self.write_back = write_back
+        self._demoted: set[bytes] = set()  # chunk hashes (hex, from the ticket keys) demoted since the last take
+        #: stripes written to the nearest tier only because a farther one holds them (promotions): not demoted
+        self._from_far: set[str] = set()
         self._backlog_bytes = 0
         self._lock = threading.Lock()
         self._far = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-far-write")
@@ -145,6 +152,11 @@ class TieredBackend(Backend):
         if not targets:
             return False
         near, far = targets[0], targets[1:]
+        if self.write_back and write.tiers is None:
+            far = []  # (written to a far tier when the near one evicts it)
+        elif write.tiers is not None and len(self.tiers) > 1:
+            with self._lock:
+                self._from_far.add(write.stripe_id)
         stored = self.tiers[near].write_stripe(self._for_tier(write, near))  # type: ignore[union-attr]
         if not stored or not far:
             return stored
@@ -180,6 +192,33 @@ class TieredBackend(Backend):
         with self._lock:
             self.far_writes_skipped += 1
         return False
+
+    def demote(self, stripe_id: str, layer_values: list[bytes], tickets: list[tuple[bytes, bytes]]) -> None:
+        """The nearest tier evicted a stripe of this shard: with ``write_back``, write it to the next tier on the
+        far-writer thread (within the backlog), unless it came from there; never raises."""
+        with self._lock:
+            came_from_far = stripe_id in self._from_far
+            self._from_far.discard(stripe_id)
+        nxt = next((i for i in range(1, len(self.tiers)) if self.tiers[i] is not None), None)
+        if not self.write_back or came_from_far or nxt is None:
+            return
+        write = StripeWrite(stripe_id, layer_values, tickets)
+        nbytes = write.nbytes
+        with self._lock:
+            if self._backlog_bytes + nbytes > self.max_backlog_bytes:
+                self.far_writes_skipped += 1
+                return
+            self._backlog_bytes += nbytes
+            self._demoted.update(key.split(b":")[1] for key, _ in tickets)
+        fut = self._far.submit(self._write_far_all, write, [nxt], nbytes)
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+
+    def take_demoted(self) -> set[bytes]:
+        """The chunks (hex chunk hashes) demoted since the last call."""
+        with self._lock:
+            out, self._demoted = self._demoted, set()
+        return out
 
     def wait_far_writes(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the far writes queued so far; whether all ended."""

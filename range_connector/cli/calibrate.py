@@ -245,8 +245,9 @@ def unique_backends(backends: Sequence[Backend]) -> list[Backend]:
 
 def tier_config(extra: dict[str, Any], tier_type: str) -> RangeConfig:
     """The user's ``--extra-config`` as a config of one tier of ``tier_type`` (each measured tier type gets its own):
-    the tier's type is set, the address of another type (valkey servers, a file directory) is dropped, and there
-    is no byte budget (a budget would make room for our own stripes by evicting the tier's real ones).
+    in a hierarchy the tier of that type alone, else the one tier with its type set; the address of another type
+    (valkey servers, a file directory) is dropped, and there is no byte budget (a budget would make room for our own
+    stripes by evicting the tier's real ones).
 
     Raises:
         ConfigError: ``tier_type`` is not a tier type (names ``--backends``), or the config is bad (names the key).
@@ -257,8 +258,11 @@ def tier_config(extra: dict[str, Any], tier_type: str) -> RangeConfig:
     drop = {key for other, key in own.items() if other != tier_type and key}
     extra = dict(extra)
     if "tiers" in extra or not any(k in FLAT_TIER_KEYS for k in extra):
-        tiers = [{k: v for k, v in dict(t).items() if k not in drop} for t in extra.get("tiers") or [{}]]
-        extra["tiers"] = [{**tiers[0], "type": tier_type}, *tiers[1:]]
+        tables = [dict(t) if isinstance(t, dict) else {} for t in extra.get("tiers") or [{}]]
+        # (a hierarchy: the tier of this type, measured alone; a config of one tier: that tier, retyped)
+        table = next((t for t in tables if t.get("type", "valkey") == tier_type), tables[0])
+        extra["tiers"] = [{**{k: v for k, v in table.items() if k not in drop}, "type": tier_type}]
+        extra.pop("write_policy", None)
     else:
         flat_drop = {flat for flat, target in FLAT_TIER_KEYS.items() if target in drop}
         extra = {k: v for k, v in extra.items() if k not in flat_drop}

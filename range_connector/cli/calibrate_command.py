@@ -65,7 +65,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise ConfigError("--extra-config", f"not JSON ({exc})") from None
     if not isinstance(extra, dict):
         raise ConfigError("--extra-config", "not a JSON object")
-    backends = args.backends if args.backends is not None else (RangeConfig.from_extra_config(extra).tier.type,)
+    backends = args.backends if args.backends is not None else tuple(  # (every tier of a hierarchy)
+        t.type for t in RangeConfig.from_extra_config(extra).tiers)
     model = args.model
     if args.tiny:
         from range_connector.testing.tiny_models import build_model

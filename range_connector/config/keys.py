@@ -117,6 +117,10 @@ ENGINE_KEYS: tuple[Key, ...] = (
         "attention."),
     Key("lease_ttl_s", "float", "s", 60.0, "60.0", "Lifetime of a lease taken on promised stripes if it is never "
         "released."),
+    Key("write_policy", "choice", "-", "write-through", '"write-through"', "With several tiers: "
+        "`write-through` writes every save to every tier (the far ones after the nearest); `write-back` writes the "
+        "nearest tier (`memory`, required first) only and a stripe DRAM evicts to the next tier then (a demotion). "
+        "A `kv_producer` always writes through.", choices=("write-through", "write-back")),
     Key("promote_after_hits", "int", "hits", 2, "2", "With a `memory` tier in front of others: a chunk loaded "
         "from a farther tier is copied into DRAM at its this-many-th load from there (counted over the last 65,536 "
         "chunks so loaded), so that a prompt seen once does not flush the hot set; 1 promotes at every load, 0 "

@@ -189,6 +189,7 @@ class RangeConfig:
     calibration_file: str | None = None
     verify_checksums: bool = True
     lease_ttl_s: float = 60.0
+    write_policy: str = "write-through"
     promote_after_hits: int = 2
     num_banks: int = 4
     bank_bytes: int = 64 << 20
@@ -217,6 +218,11 @@ class RangeConfig:
                       for i, tier in enumerate(tiers))
         for tier in built:
             tier.check()
+        if engine.get("write_policy") == "write-back" and built[0].type != "memory":
+            raise ConfigError("write_policy", "'write-back' demotes what the DRAM tier evicts: tiers[0].type must be "
+                                              f"'memory' and another tier follow it (tiers[0].type is {built[0].type!r})")
+        if engine.get("write_policy") == "write-back" and len(built) < 2:
+            raise ConfigError("write_policy", "'write-back' needs a tier after tiers[0] to demote to")
         return cls(tiers=built, **engine)
 
     @property

@@ -46,6 +46,14 @@ def key_chunk_hash(key: bytes) -> ChunkHash | None:
         return None
 
 
+def key_shard(key: bytes) -> int | None:
+    """The shard index a :func:`ticket_key` names (``None``: not a ticket key)."""
+    parts = key.split(b":")
+    if len(parts) != 4 or parts[0] != b"t" or not parts[2].startswith(b"s") or not parts[2][1:].isdigit():
+        return None
+    return int(parts[2][1:])
+
+
 def head_keys(chunk_hash: ChunkHash, shard_idx: int, heads: range) -> list[bytes]:
     """Keys a ticket covering ``heads`` is published under (one per head: :func:`ticket_key`)."""
     return [ticket_key(chunk_hash, shard_idx, h) for h in heads]

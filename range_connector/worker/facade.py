@@ -449,6 +449,9 @@ class RangeWorker:
         call; ``None`` when there is nothing to report."""
         with self._dropped_lock:
             dropped, self._dropped = self._dropped, []
+        demoted = set().union(*(b.take_demoted() for b in self.backends if isinstance(b, TieredBackend)))
+        if demoted:  # (distinct chunks, as evictions are counted)
+            self.stats.add(tier_key("demoted_chunks", "memory"), len(demoted))
         for b in leaf_backends(self.backends):
             take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
             if take_evicted is not None:

@@ -125,3 +125,17 @@ def test_an_unusable_runtime_dir_for_valkey_start_is_one_line(tmp_path: Path, ca
     rc = main(["valkey", "start", "--shards", "1", "--runtime-dir", str(blocker / "rt")])
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("error: ") and str(blocker) in err and err.count("\n") == 1, err
+
+
+def test_each_tier_of_a_hierarchy_is_measured_alone_with_its_own_settings() -> None:
+    """A hierarchy's calibration measures every tier type it lists (the command's default), each as a config of
+    that tier only, with that tier's own table (its directory, its timeout)."""
+    from range_connector.cli.calibrate import tier_config
+
+    extra = {"tiers": [{"type": "memory", "capacity_bytes": 1 << 20},
+                       {"type": "file", "directory": "/nvme/range", "timeout_s": 3.0}],
+             "write_policy": "write-back", "num_shards": 2}
+    memory, file = tier_config(extra, "memory"), tier_config(extra, "file")
+    assert [t.type for t in memory.tiers] == ["memory"] and memory.tier.capacity_bytes == 0
+    assert [t.type for t in file.tiers] == ["file"] and file.tier.directory == "/nvme/range"
+    assert file.tier.timeout_s == 3.0 and file.num_shards == 2

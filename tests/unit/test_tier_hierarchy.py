@@ -254,3 +254,50 @@ def test_a_far_tier_that_dies_mid_load_shortens_the_hit_to_what_dram_delivered(t
     assert counts["loaded_tokens@memory"] == 64 and counts.get("loaded_tokens@file", 0) == 0
     assert counts["failed_tokens"] == 64
     eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_write_back_saves_to_dram_only_and_demotes_what_dram_evicts(tmp_path: Path) -> None:
+    """write_policy write-back, through the factory (open_worker_backends wires DRAM's evictions to each shard's
+    next tier): a save leaves the file tier empty; when DRAM evicts the prompt's stripes, they are written to the
+    files of their shard, and the prompt then loads from there, byte-exact."""
+    from range_connector.backends.factory import open_scheduler_backends, open_worker_backends
+    from range_connector.config import RangeConfig
+
+    stripe_bytes = 4 * CHUNK_BYTES_DENSE_32 // 2  # one shard's slice of four chunks
+    extra = {"tiers": [{"type": "memory", "capacity_bytes": 2 * stripe_bytes},
+                       {"type": "file", "directory": str(tmp_path / "files")}],
+             "num_shards": 2, "write_policy": "write-back"}
+    config = RangeConfig.from_extra_config(extra).resolve(16)
+    worker = open_worker_backends(config, write_back=True)
+    dram = worker[0].tiers[0]
+    files = [b.tiers[1] for b in worker]
+    eng = Engine(worker, lookup_backends=open_scheduler_backends(config), num_shards=2, seed=48,
+                 tiers=config.tiers, promote_after_hits=0)
+    first, second = prompt_tokens(150, seed=48), prompt_tokens(150, seed=49)
+    src = _produce(eng, "P-0", first)
+    saved = snapshot(eng.kv)
+    assert [f.used_bytes() for f in files] == [0, 0]  # write-back: DRAM only
+    _produce(eng, "P-1", second)  # DRAM holds two stripes: the first prompt's two are evicted, and demoted
+    assert eng.worker.wait_for_saves(30)
+    eng.step(forward=False)  # the evictions reach the scheduler's DRAM index
+    assert [f.used_bytes() for f in files] == [stripe_bytes, stripe_bytes]
+    assert eng.worker.stats["demoted_chunks@memory"] == 4
+    assert _tiers_of(eng, first) == [1, 1, 1, 1]
+    assert eng.admit(FakeRequest("L-0", first)) == 128
+    dst = eng.running["L-0"].block_ids
+    res = eng.step(forward=False)
+    assert not res.invalid_block_ids
+    assert all(same_block(res.after_load, dst[i], saved, src[i]) for i in range(8))
+    eng.close()
+    assert isinstance(dram, MemoryBackend)
+
+
+def test_write_back_needs_dram_in_front_of_another_tier() -> None:
+    from range_connector.config import RangeConfig
+    from range_connector.errors import ConfigError
+
+    for tiers in ([{"type": "valkey"}, {"type": "file"}], [{"type": "memory"}]):
+        with pytest.raises(ConfigError) as exc_info:
+            RangeConfig.from_extra_config({"tiers": tiers, "write_policy": "write-back"})
+        assert exc_info.value.key == "write_policy"
