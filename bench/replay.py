@@ -12,6 +12,9 @@ Configurations:
 * ``none``: no KV connector.
 * ``range``: the Range connector on one embedded Valkey server started for the run (``--range-extra`` adds
   ``kv_connector_extra_config`` keys, e.g. ``'{"chunk_tokens": 512}'``).
+* ``range-dram``, ``range-valkey``, ``range-dram+valkey`` (only when asked for): Range on the DRAM tier alone (budget
+  ``--dram-bytes``), one embedded Valkey server alone, and DRAM in front of it (docs/tiers.md); the report gives the
+  share of prompt tokens each tier served (``served_by_tier_share``).
 * ``example``: vLLM's built-in ``ExampleConnector`` (stores every prompt's KV as safetensors files under a
   directory of the run; it hits only when a whole prompt, less its last partial block, was seen before).
 * ``lmcache`` (only when asked for): vLLM's ``LMCacheMPConnector`` against an LMCache 0.5.6 multi-process cache
@@ -78,7 +81,9 @@ from range_connector.testing.server_process import ServerError, ServerProcess, c
 CONFIGS = ("none", "range", "example")
 #: Range with a given load mode (``range`` alone: the config default or ``--range-extra``)
 RANGE_VARIANTS = {f"range-{mode}": {"load_mode": mode} for mode in ("pipelined", "async", "sync", "auto")}
-OPTIONAL_CONFIGS = ("lmcache", *RANGE_VARIANTS)
+#: Range with a tier hierarchy (docs/tiers.md): the DRAM tier's budget is ``--dram-bytes``
+TIER_VARIANTS = ("range-dram", "range-valkey", "range-dram+valkey")
+OPTIONAL_CONFIGS = ("lmcache", *RANGE_VARIANTS, *TIER_VARIANTS)
 LMCACHE_READY_LINE = "cache server is running"
 PRIME_SEED = 987_654_321  # prompts from this seed share no block with the trace's
 
@@ -87,10 +92,22 @@ def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any]) -> tuple[str | None, list[Path]]:
+def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any],
+                       dram_bytes: int = 256 << 20) -> tuple[str | None, list[Path]]:
     """``--kv-transfer-config`` JSON of a configuration, and the Valkey runtime dirs to stop afterwards."""
     if config == "none":
         return None, []
+    if config in TIER_VARIANTS:
+        from range_connector.backends.valkey.servers import ensure_servers
+
+        dram = {"type": "memory", "capacity_bytes": dram_bytes}
+        if config == "range-dram":
+            return connector_config({**range_extra, "tiers": [dram], "num_shards": 1}), []
+        runtime_dir = run_dir / "valkey"
+        ensure_servers(1, runtime_dir)
+        tiers = [{"type": "valkey"}] if config == "range-valkey" else [dram, {"type": "valkey"}]
+        return connector_config({**range_extra, "tiers": tiers, "runtime_dir": str(runtime_dir),
+                                 "num_shards": 1}), [runtime_dir]
     if config == "range" or config in RANGE_VARIANTS:
         from range_connector.backends.valkey.servers import ensure_servers
 
@@ -172,7 +189,7 @@ def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Tr
             kv_config = side.kv_transfer_config()
             extra_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(side.site_packages)) if p)
         else:
-            kv_config, to_stop = kv_transfer_config(config, run_dir, range_extra)
+            kv_config, to_stop = kv_transfer_config(config, run_dir, range_extra, args.dram_bytes)
         # Per-request cached tokens in usage (local + external), recorded by the client.
         extra_args = ["--enable-prompt-tokens-details"]
         if not args.local_prefix_cache:
@@ -239,6 +256,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--no-local-prefix-cache", dest="local_prefix_cache", action="store_false",
                    help="turn vLLM's own prefix cache off (all hits then come from the connector)")
     g.add_argument("--range-extra", default="{}", help="JSON merged into Range's kv_connector_extra_config")
+    g.add_argument("--dram-bytes", type=int, default=256 << 20,
+                   help="the DRAM tier's budget per worker in range-dram and range-dram+valkey (default 256 MiB)")
     g.add_argument("--lmcache-venv", default=str(REPO / ".venv-lmcache"),
                    help="environment with LMCache 0.5.6 for the lmcache configuration")
     g.add_argument("--omp-threads-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the engine")

@@ -51,6 +51,8 @@ COUNTERS: dict[str, str] = {
 }
 TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
 PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+#: Range's tokens loaded per tier (``tier`` label: ``memory``, ``valkey``, ``file``; docs/tiers.md)
+TIER_TOKENS = "vllm:range_tier_loaded_tokens_total"
 _QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -62,6 +64,7 @@ class MetricsSnapshot:
         counters: ``{url: {sample name: value summed over label sets}}``.
         ttft_buckets: ``{url: {upper bound le in s (inf for +Inf): cumulative count}}``.
         prompt_by_source: ``{url: {source: tokens}}``.
+        tier_tokens: ``{url: {tier: tokens Range loaded from it}}``.
         taken_at_s: ``time.monotonic()`` of the reading.
         errors: ``{url: one-line reason}`` for engines that could not be read (absent from the other fields).
     """
@@ -71,9 +74,10 @@ class MetricsSnapshot:
     prompt_by_source: dict[str, dict[str, float]]
     taken_at_s: float
     errors: dict[str, str] = field(default_factory=dict)
+    tier_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], dict[str, float]]:
+def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], dict[str, float], dict[str, float]]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,6 +85,7 @@ def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], di
     response.raise_for_status()
     buckets: dict[float, float] = {}
     sources: dict[str, float] = {}
+    tiers: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             if sample.name == TTFT_BUCKET:
@@ -89,7 +94,10 @@ def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], di
             elif sample.name == PROMPT_BY_SOURCE:
                 source = sample.labels.get("source", "")
                 sources[source] = sources.get(source, 0.0) + float(sample.value)
-    return buckets, sources
+            elif sample.name == TIER_TOKENS:
+                tier = sample.labels.get("tier", "")
+                tiers[tier] = tiers.get(tier, 0.0) + float(sample.value)
+    return buckets, sources, tiers
 
 
 def snapshot_metrics(urls: Sequence[str], timeout_s: float = 10.0) -> MetricsSnapshot:
@@ -102,15 +110,15 @@ def snapshot_metrics(urls: Sequence[str], timeout_s: float = 10.0) -> MetricsSna
     """
     import httpx
 
-    counters, buckets, sources, errors = {}, {}, {}, {}
+    counters, buckets, sources, tiers, errors = {}, {}, {}, {}, {}
     for url in urls:
         try:
             counters[url] = scrape_metrics(url, timeout_s=timeout_s)
-            buckets[url], sources[url] = _scrape_labelled(url, timeout_s)
+            buckets[url], sources[url], tiers[url] = _scrape_labelled(url, timeout_s)
         except (httpx.HTTPError, ValueError) as exc:
             counters.pop(url, None)
             errors[url] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-    return MetricsSnapshot(counters, buckets, sources, time.monotonic(), errors)
+    return MetricsSnapshot(counters, buckets, sources, time.monotonic(), errors, tiers)
 
 
 def _total(snapshot: MetricsSnapshot, name: str) -> float:
@@ -281,12 +289,17 @@ def engine_counts(before: MetricsSnapshot, after: MetricsSnapshot) -> EngineCoun
             buckets[le] = buckets.get(le, 0.0) + value
         per_engine_ttft[url] = _ttft(per_engine[url]["engine_ttft_count"], per_engine[url]["engine_ttft_sum_s"], mine)
     prompt = totals["prompt_tokens"]
+    by_tier: dict[str, float] = {}
+    for url in readable:
+        for tier, value in after.tier_tokens.get(url, {}).items():
+            by_tier[tier] = by_tier.get(tier, 0.0) + value - before.tier_tokens.get(url, {}).get(tier, 0.0)
     return EngineCounts(
         totals=totals, per_engine=per_engine, prompt_by_source=sources,
         engine_ttft_s=_ttft(totals["engine_ttft_count"], totals["engine_ttft_sum_s"], buckets),
         external_hit_share=totals["external_hit_tokens"] / prompt if prompt else None,
         local_hit_share=totals["local_hit_tokens"] / prompt if prompt else None,
         extra={"span_s": after.taken_at_s - before.taken_at_s,
+               "served_by_tier_share": {t: v / prompt for t, v in sorted(by_tier.items()) if v} if prompt else {},
                "unreadable_engines": {**before.errors, **after.errors}, "per_engine_ttft_s": per_engine_ttft},
         range_engines=tuple(url for url in readable if RANGE_COUNTERS["range_loaded_tokens"] in after.counters[url]),
     )
