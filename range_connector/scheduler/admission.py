@@ -96,7 +96,7 @@ class Admission:
         c = lookup.num_computed_tokens
         if lookup.runs:  # a tier hierarchy: weighed run by run; a left-out far tier is probed now and then
             decision = self.gate.decide_runs(num_prompt_tokens, c, lookup.runs)
-            self._probe_left_out(lookup, decision)
+            self._probe_left_out(lookup, decision.hit_tokens)
             lookup.decision = decision
             lookup.num_hit_tokens = max(c, decision.hit_tokens)
             lookup.mode = decision.mode.value
@@ -112,18 +112,18 @@ class Admission:
         lookup.num_hit_tokens = max(c, decision.hit_tokens)
         lookup.mode = decision.mode.value
 
-    def _probe_left_out(self, lookup: LookupResult, decision: Decision) -> None:
+    def _probe_left_out(self, lookup: LookupResult, hit_tokens: int) -> None:
         """The first tier run the decision leaves out (a far tier slower than recompute for this prompt): have one
         of its chunks read in the background when its probe is due, so that the tier is offered again once it is
         fast again; else count the refusal toward its next probe."""
         assert self.gate is not None and lookup.runs
         start = lookup.num_computed_tokens
         for tier_type, end in lookup.runs:
-            if end > decision.hit_tokens:
+            if end > hit_tokens:
                 if not self.remote or tier_type == "memory":
                     return
                 if self._probe_slot_free(lookup) and self.gate.tiers.should_probe(tier_type, time.monotonic()):
-                    idx = max(start, decision.hit_tokens) // self.chunk_tokens
+                    idx = max(start, hit_tokens) // self.chunk_tokens
                     if idx < len(lookup.tickets):
                         self.probes.append(lookup.tickets[idx])
                         self._probe_until = time.monotonic() + 2.0 * self.config.tier.timeout_s
@@ -144,6 +144,9 @@ class Admission:
         comparison) always loads."""
         if self.gate is None:
             return
+        if lookup.runs and lookup.mode != "sync":
+            self._check_run_deadlines(lookup)
+            return
         lookup.predicted_s = self.gate.predict_s(lookup.num_computed_tokens, lookup.num_hit_tokens, lookup.runs)
         if lookup.mode == "sync" or not self.remote:
             return
@@ -158,6 +161,25 @@ class Admission:
             self._queue_probe(lookup)
             self.stats["late_load_probes"] += 1
         lookup.num_hit_tokens = lookup.num_computed_tokens
+
+    def _check_run_deadlines(self, lookup: LookupResult) -> None:
+        """:meth:`check_deadline` in a tier hierarchy: the hit keeps the longest prefix of its tier runs whose
+        predicted load fits its own deadline (the DRAM run alone when the far run would be late), and the first
+        run left out is probed when its probe is due."""
+        assert self.gate is not None and lookup.runs
+        c = lookup.num_computed_tokens
+        kept, predicted = c, self.gate.predict_s(c, c)
+        for k, (_, end) in enumerate(lookup.runs):
+            load_s, recompute_s = self.gate.predict_s(c, end, lookup.runs[:k + 1])
+            if load_s > CostGate.deadline_s(load_s, recompute_s, self.config.min_load_deadline_s,
+                                            self.config.load_deadline_s):
+                break
+            kept, predicted = end, (load_s, recompute_s)
+        lookup.predicted_s = predicted
+        if kept < lookup.num_hit_tokens:
+            self.stats["loads_not_started_late"] += 1
+            self._probe_left_out(lookup, kept)
+            lookup.num_hit_tokens = kept
 
     def commit(self, req_id: str, lookup: LookupResult, num_external_tokens: int) -> None:
         """vLLM committed to the lookup (``update_state_after_alloc``): the gate counts the decision; in a tier

@@ -432,7 +432,9 @@ def _verify(eng: RealEngine, prompts: list[list[int]], tracker: CopyTracker, rep
         eng.run()
         allocs = eng.calls("update_state_after_alloc", f"v{i}")
         external = allocs[0].info["num_external_tokens"] if allocs else 0
-        assert external == stored * CHUNK_TOKENS, f"v{i}: {stored} chunks stored, {external} tokens loaded"
+        assert external == stored * CHUNK_TOKENS, (
+            f"v{i}: {stored} chunks stored, {external} tokens loaded; stored after its run: "
+            f"{len(eng.range.stored_prefix(chain))}, prompt {len(p)} tokens, scheduler stats {eng.range.stats}")
         verified.update(chain[:stored])
     report.verified_chunks = len(verified)
     assert saved <= verified, f"{len(saved - verified)} stored chunks were never loaded again"

@@ -301,3 +301,52 @@ def test_write_back_needs_dram_in_front_of_another_tier() -> None:
         with pytest.raises(ConfigError) as exc_info:
             RangeConfig.from_extra_config({"tiers": tiers, "write_policy": "write-back"})
         assert exc_info.value.key == "write_policy"
+
+
+@pytest.mark.timeout(60)
+def test_at_tp_2_each_rank_has_its_own_dram_and_a_hit_splits_over_both_tiers_on_every_rank(tmp_path: Path) -> None:
+    """Tensor parallelism 2: each rank saves its own heads into its own DRAM and through to the shared files; the
+    scheduler's DRAM index holds both ranks' tickets. With chunks 2-3 gone from DRAM, every rank loads chunks 0-1
+    from its DRAM and 2-3 from the files, byte-exact (compared on each rank's own KV cache)."""
+    files = _files(tmp_path)
+    drams = [MemoryBackend(64 * MiB, name=f"dram-{r}") for r in range(2)]
+    ranks = [[TieredBackend([dram, f]) for f in files] for dram in drams]
+    eng = Engine(ranks[0], lookup_backends=[TieredBackend([None, f]) for f in files], num_shards=2, seed=50,
+                 tiers=(TierConfig("memory", index=0), TierConfig("file", index=1)), promote_after_hits=0,
+                 tp_size=2, rank_backends=ranks)
+    prompt = prompt_tokens(150, seed=50)
+    a_ids = _produce(eng, "P-0", prompt)
+    saved = [snapshot(kv) for kv in eng.kvs]  # (P-0's blocks are free now: a later request may reuse them)
+    hashes = chain(prompt, 32)[2:4]
+    for dram in drams:
+        dram.delete_tickets([ticket_key(h, s, head) for h in hashes for s in range(2) for head in range(8)])
+    eng.sched.lookup.learn([], hashes)
+    assert _tiers_of(eng, prompt) == [0, 0, 1, 1]
+    assert eng.admit(FakeRequest("L-0", prompt)) == 128
+    b_ids = eng.running["L-0"].block_ids
+    res = eng.step(forward=False)
+    assert not res.invalid_block_ids
+    assert [(r, i) for r in range(2) for i in range(8) if not same_block(eng.kvs[r], b_ids[i], saved[r], a_ids[i])
+            ] == []
+    assert eng.sched.tally.counts["loaded_tokens@memory"] == 64 and eng.sched.tally.counts["loaded_tokens@file"] == 64
+    eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_with_a_fixed_load_mode_a_far_run_predicted_late_is_cut_and_dram_still_serves(tmp_path: Path) -> None:
+    """load_mode pipelined (no gate decision): a far run whose load is predicted past its deadline is not
+    started; the hit keeps the DRAM run (one tier too slow must not cost the other tier's hit)."""
+    files = _files(tmp_path)
+    eng, dram = _engine(files, seed=51, promote_after_hits=0, load_mode="pipelined")
+    prompt = prompt_tokens(150, seed=51)
+    _produce(eng, "P-0", prompt)
+    _forget_in_dram(eng, dram, prompt, range(2, 4))
+    gate = eng.sched.gate
+    assert gate is not None
+    assert eng.sched.get_num_new_matched_tokens(FakeRequest("fast", prompt), 0)[0] == 128
+    _slow(gate, "file", 2, 50.0)  # a load of the file run now predicted far past any deadline
+    assert eng.sched.get_num_new_matched_tokens(FakeRequest("slow", prompt), 0)[0] == 64
+    assert eng.sched.stats["loads_not_started_late"] == 1
+    [probe] = eng.sched.admission.probes  # the left-out run is probed, not the DRAM chunk before it
+    assert {stripe_tier(t.stripe_id)[0] for t in probe} == {1}
+    eng.close()
