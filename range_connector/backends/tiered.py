@@ -154,7 +154,7 @@ class TieredBackend(Backend):
         near, far = targets[0], targets[1:]
         if self.write_back and write.tiers is None:
             far = []  # (written to a far tier when the near one evicts it)
-        elif write.tiers is not None and len(self.tiers) > 1:
+        elif self.write_back and write.tiers is not None:  # (dropped again when DRAM evicts it: bounded)
             with self._lock:
                 self._from_far.add(write.stripe_id)
         stored = self.tiers[near].write_stripe(self._for_tier(write, near))  # type: ignore[union-attr]
