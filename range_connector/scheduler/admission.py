@@ -164,15 +164,16 @@ class Admission:
 
     def _check_run_deadlines(self, lookup: LookupResult) -> None:
         """:meth:`check_deadline` in a tier hierarchy: the hit keeps the longest prefix of its tier runs whose
-        predicted load fits its own deadline (the DRAM run alone when the far run would be late), and the first
-        run left out is probed when its probe is due."""
+        predicted load fits its own deadline (the DRAM run alone when the far run would be late; a DRAM run is
+        never cut), and the first run left out is probed when its probe is due."""
         assert self.gate is not None and lookup.runs
         c = lookup.num_computed_tokens
         kept, predicted = c, self.gate.predict_s(c, c)
-        for k, (_, end) in enumerate(lookup.runs):
+        for k, (tier_type, end) in enumerate(lookup.runs):
             load_s, recompute_s = self.gate.predict_s(c, end, lookup.runs[:k + 1])
-            if load_s > CostGate.deadline_s(load_s, recompute_s, self.config.min_load_deadline_s,
-                                            self.config.load_deadline_s):
+            late = load_s > CostGate.deadline_s(load_s, recompute_s, self.config.min_load_deadline_s,
+                                                self.config.load_deadline_s)
+            if late and tier_type != "memory":  # (a DRAM run is never cut, as the DRAM tier alone is not)
                 break
             kept, predicted = end, (load_s, recompute_s)
         lookup.predicted_s = predicted

@@ -350,3 +350,17 @@ def test_with_a_fixed_load_mode_a_far_run_predicted_late_is_cut_and_dram_still_s
     [probe] = eng.sched.admission.probes  # the left-out run is probed, not the DRAM chunk before it
     assert {stripe_tier(t.stripe_id)[0] for t in probe} == {1}
     eng.close()
+
+
+@pytest.mark.timeout(60)
+def test_with_a_fixed_load_mode_a_slow_dram_estimate_never_cuts_the_dram_run(tmp_path: Path) -> None:
+    """The DRAM tier alone never refuses a load as late; in front of another tier it does not either (a DRAM load
+    that once ran past its deadline must not halve the DRAM hits that follow)."""
+    files = _files(tmp_path)
+    eng, dram = _engine(files, seed=52, promote_after_hits=0, load_mode="pipelined")
+    prompt = prompt_tokens(150, seed=52)
+    _produce(eng, "P-0", prompt)
+    _slow(eng.sched.gate, "memory", 1, 50.0)
+    assert eng.sched.get_num_new_matched_tokens(FakeRequest("dram", prompt), 0)[0] == 128
+    assert eng.sched.stats["loads_not_started_late"] == 0
+    eng.close()
