@@ -53,7 +53,8 @@ def _tiers_of(eng: Engine, prompt: list[int]) -> list[int]:
 def _produce(eng: Engine, req_id: str, prompt: list[int]) -> list[int]:
     eng.admit(FakeRequest(req_id, prompt))
     eng.step()
-    assert eng.worker.wait_for_saves(30)  # (the far copies too)
+    for worker in eng.workers:  # (every rank's far copies too: each writes its own heads)
+        assert worker.wait_for_saves(30)
     eng.step(forward=False)  # the saves' report reaches the scheduler
     blocks = list(eng.running[req_id].block_ids)
     eng.finish(req_id)
