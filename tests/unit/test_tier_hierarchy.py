@@ -61,6 +61,22 @@ def _produce(eng: Engine, req_id: str, prompt: list[int]) -> list[int]:
     return blocks
 
 
+class Produced:
+    """A DRAM + files engine after one prompt was saved through both tiers (:func:`_produced`)."""
+
+    def __init__(self, files: list, eng: Engine, dram: MemoryBackend, prompt: list[int], src: list[int]) -> None:
+        self.files, self.eng, self.dram, self.prompt, self.src = files, eng, dram, prompt, src
+        self.saved = snapshot(eng.kv)  # (the prompt's blocks are free now: a later request may reuse them)
+
+
+def _produced(tmp_path: Path, seed: int, *, wrap=lambda files: files, **config) -> Produced:
+    """Files per shard (``wrap``: around them), an engine of DRAM in front of them, and a 150-token prompt saved."""
+    files = _files(tmp_path)
+    eng, dram = _engine(wrap(files), seed=seed, **config)
+    prompt = prompt_tokens(150, seed=seed)
+    return Produced(files, eng, dram, prompt, _produce(eng, "P-0", prompt))
+
+
 def _forget_in_dram(eng: Engine, dram: MemoryBackend, prompt: list[int], chunk_idxs: range) -> None:
     """Chunks gone from DRAM (as if evicted), still on the far tier."""
     hashes = [chain(prompt, 32)[c] for c in chunk_idxs]
@@ -70,11 +86,10 @@ def _forget_in_dram(eng: Engine, dram: MemoryBackend, prompt: list[int], chunk_i
 
 @pytest.mark.timeout(60)
 def test_a_hit_is_loaded_part_from_dram_part_from_files_byte_exact_and_counted_by_tier(tmp_path: Path) -> None:
-    files = _files(tmp_path)
-    eng, dram = _engine(files, seed=41, promote_after_hits=0)
-    prompt = prompt_tokens(150, seed=41)
-    src = _produce(eng, "P-0", prompt)
-    saved = snapshot(eng.kv)
+    run = _produced(tmp_path, 41, promote_after_hits=0)
+    files, eng, dram, prompt = run.files, run.eng, run.dram, run.prompt
+    src = run.src
+    saved = run.saved
     assert _tiers_of(eng, prompt) == [0, 0, 0, 0]  # write-through: in both; the nearest wins
     asked = [f.counters.commands for f in files]
     eng.sched.stored_prefix(chain(prompt, 32))
@@ -101,10 +116,8 @@ def test_a_hit_is_loaded_part_from_dram_part_from_files_byte_exact_and_counted_b
 
 @pytest.mark.timeout(60)
 def test_a_gap_on_one_shard_of_the_far_tier_shortens_the_hit_there(tmp_path: Path) -> None:
-    files = _files(tmp_path)
-    eng, dram = _engine(files, seed=42, promote_after_hits=0)
-    prompt = prompt_tokens(150, seed=42)
-    _produce(eng, "P-0", prompt)
+    run = _produced(tmp_path, 42, promote_after_hits=0)
+    files, eng, dram, prompt = run.files, run.eng, run.dram, run.prompt
     _forget_in_dram(eng, dram, prompt, range(1, 4))
     files[1].delete_tickets([ticket_key(chain(prompt, 32)[2], 1)])  # chunk 2 gone from shard 1 of the files
     assert _tiers_of(eng, prompt) == [0, 1]
@@ -116,10 +129,8 @@ def test_a_gap_on_one_shard_of_the_far_tier_shortens_the_hit_there(tmp_path: Pat
 def test_a_chunk_only_in_dram_past_a_far_run_is_not_offered_out_of_order(tmp_path: Path) -> None:
     """Runs go outward: DRAM 0-1, files 2; chunk 3 is in DRAM only, after the files' run ended: not part of the hit
     (the far tier does not hold it), and nothing is offered past a chunk no tier holds."""
-    files = _files(tmp_path)
-    eng, dram = _engine(files, seed=43, promote_after_hits=0)
-    prompt = prompt_tokens(150, seed=43)
-    _produce(eng, "P-0", prompt)
+    run = _produced(tmp_path, 43, promote_after_hits=0)
+    files, eng, dram, prompt = run.files, run.eng, run.dram, run.prompt
     hashes = chain(prompt, 32)
     _forget_in_dram(eng, dram, prompt, range(2, 3))
     for f in files:
@@ -130,11 +141,10 @@ def test_a_chunk_only_in_dram_past_a_far_run_is_not_offered_out_of_order(tmp_pat
 
 @pytest.mark.timeout(60)
 def test_a_chunk_loaded_from_the_far_tier_twice_is_promoted_into_dram(tmp_path: Path) -> None:
-    files = _files(tmp_path)
-    eng, dram = _engine(files, seed=44, promote_after_hits=2)
-    prompt = prompt_tokens(150, seed=44)
-    src = _produce(eng, "P-0", prompt)
-    saved = snapshot(eng.kv)
+    run = _produced(tmp_path, 44, promote_after_hits=2)
+    files, eng, dram, prompt = run.files, run.eng, run.dram, run.prompt
+    src = run.src
+    saved = run.saved
     _forget_in_dram(eng, dram, prompt, range(2, 4))
     written = [f.counters.bytes_written for f in files]
     for n, req_id in enumerate(("L-0", "L-1")):
@@ -203,10 +213,8 @@ def test_the_gate_weighs_each_tier_run_and_leaves_out_a_far_tier_slower_than_rec
     """load_mode auto: with both tiers fast the whole hit is taken; once the file tier is learnt slower than
     recompute, the next request takes the DRAM run and recomputes the rest, and the left-out tier is probed (one of
     its chunks read in the background), which teaches the gate its speed again."""
-    files = _files(tmp_path)
-    eng, dram = _engine(files, seed=46, promote_after_hits=0, load_mode="auto")
-    prompt = prompt_tokens(150, seed=46)
-    _produce(eng, "P-0", prompt)
+    run = _produced(tmp_path, 46, promote_after_hits=0, load_mode="auto")
+    eng, dram, prompt = run.eng, run.dram, run.prompt
     _forget_in_dram(eng, dram, prompt, range(2, 4))
     gate = eng.sched.gate
     assert gate is not None
@@ -233,12 +241,11 @@ def test_a_far_tier_that_dies_mid_load_shortens_the_hit_to_what_dram_delivered(t
     """The far tier answers the lookup, then fails every read: the chunks from DRAM land byte-exact, the far run's
     blocks are reported failed (vLLM recomputes them), the far tier's stripes were leased for the load and the
     leases are released, and nothing is left promised."""
-    files = _files(tmp_path)
-    flaky = [FlakyBackend(f, f"flaky-{s}") for s, f in enumerate(files)]
-    eng, dram = _engine(flaky, seed=47, promote_after_hits=0)
-    prompt = prompt_tokens(150, seed=47)
-    src = _produce(eng, "P-0", prompt)
-    saved = snapshot(eng.kv)
+    run = _produced(tmp_path, 47, promote_after_hits=0, wrap=lambda files: [FlakyBackend(f, f"flaky-{s}") for s, f in enumerate(files)])
+    files, eng, dram, prompt = run.files, run.eng, run.dram, run.prompt
+    flaky = [b.tiers[1] for b in eng.worker.backends]
+    src = run.src
+    saved = run.saved
     _forget_in_dram(eng, dram, prompt, range(2, 4))
     assert _tiers_of(eng, prompt) == [0, 0, 1, 1]
     assert eng.admit(FakeRequest("L-0", prompt)) == 128
@@ -337,10 +344,8 @@ def test_at_tp_2_each_rank_has_its_own_dram_and_a_hit_splits_over_both_tiers_on_
 def test_with_a_fixed_load_mode_a_far_run_predicted_late_is_cut_and_dram_still_serves(tmp_path: Path) -> None:
     """load_mode pipelined (no gate decision): a far run whose load is predicted past its deadline is not
     started; the hit keeps the DRAM run (one tier too slow must not cost the other tier's hit)."""
-    files = _files(tmp_path)
-    eng, dram = _engine(files, seed=51, promote_after_hits=0, load_mode="pipelined")
-    prompt = prompt_tokens(150, seed=51)
-    _produce(eng, "P-0", prompt)
+    run = _produced(tmp_path, 51, promote_after_hits=0, load_mode="pipelined")
+    eng, dram, prompt = run.eng, run.dram, run.prompt
     _forget_in_dram(eng, dram, prompt, range(2, 4))
     gate = eng.sched.gate
     assert gate is not None
@@ -357,10 +362,8 @@ def test_with_a_fixed_load_mode_a_far_run_predicted_late_is_cut_and_dram_still_s
 def test_with_a_fixed_load_mode_a_slow_dram_estimate_never_cuts_the_dram_run(tmp_path: Path) -> None:
     """The DRAM tier alone never refuses a load as late; in front of another tier it does not either (a DRAM load
     that once ran past its deadline must not halve the DRAM hits that follow)."""
-    files = _files(tmp_path)
-    eng, dram = _engine(files, seed=52, promote_after_hits=0, load_mode="pipelined")
-    prompt = prompt_tokens(150, seed=52)
-    _produce(eng, "P-0", prompt)
+    run = _produced(tmp_path, 52, promote_after_hits=0, load_mode="pipelined")
+    eng, prompt = run.eng, run.prompt
     _slow(eng.sched.gate, "memory", 1, 50.0)
     assert eng.sched.get_num_new_matched_tokens(FakeRequest("dram", prompt), 0)[0] == 128
     assert eng.sched.stats["loads_not_started_late"] == 0
