@@ -168,6 +168,19 @@ PROM_REJECTED = ("vllm:range_rejected_request_inputs",
 PROM_TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "loaded_tokens": ("vllm:range_tier_loaded_tokens",
                       "Prompt tokens Range loaded and verified, by the tier they came from (tiers[i].type)."),
+    "loaded_bytes": ("vllm:range_tier_loaded_bytes",
+                     "Bytes of KV Range copied into the KV cache, by the tier they came from (all workers)."),
+    "loads": ("vllm:range_tier_loads",
+              "Load jobs that finished, by the farthest tier they read (the slowest rank's, once per job)."),
+    "load_seconds": ("vllm:range_tier_load_seconds",
+                     "Seconds of the load jobs in vllm:range_tier_loads, from their start until their last byte was "
+                     "in reach (the slowest rank's), by the farthest tier they read."),
+    "hit_tokens_taken": ("vllm:range_tier_hit_tokens_taken",
+                         "Hit tokens of each tier's run that vLLM committed to load (the gate and the deadlines "
+                         "took them), by tier."),
+    "hit_tokens_left_out": ("vllm:range_tier_hit_tokens_left_out",
+                            "Hit tokens of each tier's run that were found but not loaded (refused or cut by the "
+                            "cost-model gate or a run's deadline), by tier: they were recomputed."),
     "promoted_chunks": ("vllm:range_tier_promoted_chunks",
                         "Chunks loaded from a farther tier that Range planned to copy into this tier (DRAM)."),
     "evicted_chunks": ("vllm:range_tier_evicted_chunks",

@@ -184,7 +184,8 @@ def open_scheduler_backends(config: RangeConfig) -> list[Backend] | None:
 def _open_backends(config: RangeConfig, shard_idxs: list[int]) -> list[Backend]:
     tier = config.tier
     if tier.type == "memory":
-        return [MemoryBackend(tier.budget_bytes or None)] * len(shard_idxs)
+        # (only workers open it: evicted stripes stay readable until the scheduler has learnt of the eviction)
+        return [MemoryBackend(tier.budget_bytes or None, retain_evicted=True)] * len(shard_idxs)
     if tier.type == "file":
         import os
 

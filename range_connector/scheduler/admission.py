@@ -17,6 +17,7 @@ from range_connector.cost.decision import Action, Decision
 from range_connector.cost.gate import CostGate
 from range_connector.kv.metadata import RangeWorkerMetadata
 from range_connector.kv.tickets import Ticket
+from range_connector.metrics import tier_key
 from range_connector.scheduler.planning import LookupResult
 
 
@@ -186,18 +187,26 @@ class Admission:
         """vLLM committed to the lookup (``update_state_after_alloc``): the gate counts the decision; in a tier
         hierarchy the load's time is later learnt as its farthest tier's (conservative: the nearer runs' time is
         counted to it too)."""
-        if lookup.runs and num_external_tokens > 0:
+        if lookup.runs:
             end = lookup.num_computed_tokens + num_external_tokens
             start, loaded = lookup.num_computed_tokens, []
-            for tier_type, e in lookup.runs:
+            for tier_type, e in lookup.runs:  # each run's hit tokens taken, and those left out (gate, deadline)
+                taken = max(0, min(e, end) - start)
+                self._add(tier_key("hit_tokens_taken", tier_type), taken)
+                self._add(tier_key("hit_tokens_left_out", tier_type), max(0, e - start) - taken)
                 if start < end:
                     loaded.append(tier_type)
                 start = e
-            self.load_tiers[req_id] = loaded[-1] if loaded else None
+            if num_external_tokens > 0:
+                self.load_tiers[req_id] = loaded[-1] if loaded else None
         if lookup.decision is not None and self.gate is not None:
             self.gate.commit(lookup.decision)
             if num_external_tokens > 0:
                 self.decisions[req_id] = lookup.decision
+
+    def _add(self, key: str, n: int) -> None:
+        if n:
+            self.stats[key] = self.stats.get(key, 0) + n
 
     def deadline_s(self, lookup: LookupResult) -> float | None:
         """The load's deadline: twice the predicted load, at most what recomputing would cost
@@ -233,6 +242,13 @@ class Admission:
     def learn(self, report: RangeWorkerMetadata) -> None:
         """``B`` and ``T0`` from the loads and probes the workers finished (a load that ran out of time says only
         that the tier is at least that slow); each decision is matched with its load's realised time."""
+        order = [t.type for t in self.config.tiers]
+        for req_ids, _shard_bytes, seconds, _complete in slowest_rank_per_load(report.load_timings):
+            known = [t for t in (self.load_tiers.get(r) for r in req_ids) if t in order]
+            tier = max(known, key=order.index) if known else order[-1] if len(order) == 1 else None
+            if tier is not None:  # (per tier: the job's farthest tier, as the gate learns it)
+                self._add(tier_key("loads", tier), 1)
+                self.stats[tier_key("load_seconds", tier)] = self.stats.get(tier_key("load_seconds", tier), 0) + seconds
         if self.gate is None:
             return
         for shard_bytes, seconds, complete in report.probe_timings:

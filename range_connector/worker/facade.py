@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from range_connector.backends.base import Backend
-from range_connector.backends.tiered import TieredBackend, leaf_backends
+from range_connector.backends.tiered import TieredBackend, chunk_tier, leaf_backends
 from range_connector.metrics import tier_key
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
@@ -76,6 +76,9 @@ class RangeWorker:
         self.num_blocks = num_blocks
         self.plan = ShardPlan(config.chunk_tokens // block_size, config.num_shards)
         self.backends = backends
+        #: DRAM tiers that keep evicted stripes readable until the scheduler has learnt of the eviction
+        self._dram_tiers = [b for b in {id(b): b for b in leaf_backends(backends)}.values()
+                            if hasattr(b, "free_retired")]
         self.tp_rank = tp_rank
         self.head_slice = head_slice
         self.ticket_group = ticket_group
@@ -179,6 +182,8 @@ class RangeWorker:
         self._finish_step_job()
         self.follow_reset(meta)
         self.step_idx = meta.step_idx
+        for b in self._dram_tiers:  # evictions the scheduler has learnt: no load planned from now on reads them
+            b.free_retired(meta.reports_learnt_through)
         if meta.probes and self.tp_rank == 0:  # (one rank probes: the timing is the tier's)
             for tickets in meta.probes:
                 self._prober.submit(self._probe, tickets)
@@ -349,6 +354,15 @@ class RangeWorker:
                 self._fail_from(req, failed_from[req.req_id])
         self.stats.add("loaded_blocks", loaded)  # tokens are counted once per engine, by the scheduler (LoadTally)
         self.stats.add("loaded_bytes", loaded * layout.block_bytes)
+        types = [t.type for t in self.config.tiers]
+        tier_of = {c.chunk_hash: chunk_tier(c) for r in reqs for c in r.chunks}
+        by_tier: dict[str, int] = {}
+        for chunk_hash, _shards, dst_ids in done:
+            tier = tier_of.get(chunk_hash, 0)
+            if tier < len(types):
+                by_tier[types[tier]] = by_tier.get(types[tier], 0) + len(dst_ids) * layout.block_bytes
+        for tier_type, nbytes in by_tier.items():
+            self.stats.add(tier_key("loaded_bytes", tier_type), nbytes)
 
     def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
         """``[num_blocks, row]`` view of one plane of one layer of the KV cache (after ``register_kv_caches``)."""
@@ -455,7 +469,8 @@ class RangeWorker:
         for b in leaf_backends(self.backends):
             take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
             if take_evicted is not None:
-                evicted = list(dict.fromkeys(h for h in map(key_chunk_hash, take_evicted()) if h is not None))
+                evicted = list(dict.fromkeys(h for h in map(key_chunk_hash, take_evicted(stamp=self.step_idx))
+                                             if h is not None))
                 if evicted:
                     self.stats.add(tier_key("evicted_chunks", "memory"), len(evicted))
                 dropped += evicted

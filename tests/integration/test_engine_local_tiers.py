@@ -46,9 +46,10 @@ def test_file_tier_serves_a_fresh_engine(tmp_path):
     assert second[0]["token_ids"] == first[0]["token_ids"]
 
 
-def _tier_tokens(metrics: list[dict]) -> dict[str, float]:
+def _tier_tokens(metrics: list[dict], name: str = "vllm:range_tier_loaded_tokens") -> dict[str, float]:
+    """``tier -> value`` of one by-tier counter, tiers that counted nothing left out."""
     return {m["labels"]["tier"]: m["value"] for m in metrics
-            if m["name"] == "vllm:range_tier_loaded_tokens" and m["labels"].get("tier")}
+            if m["name"] == name and m["labels"].get("tier") and m["value"]}
 
 
 def test_dram_in_front_of_valkey_loads_a_prompt_from_both_then_promotes_it(tmp_path):
@@ -81,6 +82,14 @@ def test_dram_in_front_of_valkey_loads_a_prompt_from_both_then_promotes_it(tmp_p
     first, second, third = (_tier_tokens(res[i]["metrics"]) for i in (11, 15, 19))
     assert first.get("valkey") == 256 and first.get("memory") == 256 + 256 + 256, first
     assert second.get("valkey") == 512, second  # (the promotion's save happens after this load)
+    # bytes by tier follow the tokens (2 KiB of KV per token), and the gate took every run it was offered
+    assert _tier_tokens(res[11]["metrics"], "vllm:range_tier_loaded_bytes") == {
+        t: n * 2048 for t, n in first.items() if n}, res[11]["metrics"]
+    assert _tier_tokens(res[11]["metrics"], "vllm:range_tier_hit_tokens_taken") == {
+        t: n for t, n in first.items() if n}
+    assert _tier_tokens(res[19]["metrics"], "vllm:range_tier_hit_tokens_left_out") == {}
+    # (vLLM's metric reader rounds counters down to integers: the seconds of these short loads read as 0 here)
+    assert _tier_tokens(res[19]["metrics"], "vllm:range_tier_loads").get("valkey", 0) >= 2
     assert third.get("valkey") == 512 and third.get("memory") == 768 + 256 + 512, third
     promoted = [m["value"] for m in res[19]["metrics"] if m["name"] == "vllm:range_tier_promoted_chunks"
                 and m["labels"].get("tier") == "memory"]

@@ -249,7 +249,7 @@ def test_pipelined_layer_zero_is_handed_to_attention_before_the_last_layer_lands
 
 
 def test_async_loads_are_byte_identical_and_the_output_unchanged(scenario):
-    asy, ref, x, batch = scenario["async"], scenario["ref"], scenario["x"], scenario["batch"]
+    asy, ref, batch = scenario["async"], scenario["ref"], scenario["batch"]
     block = scenario["block"]
     assert asy[0]["external_hits"] == 512
     assert set(asy[1]["digests"]) <= set(ref[1]["digests"].values())

@@ -210,9 +210,13 @@ class GatedBackend(Backend):
     def used_bytes(self) -> int:
         return self.inner.used_bytes()
 
-    def take_evicted(self) -> list[bytes]:
+    def take_evicted(self, stamp: int | None = None) -> list[bytes]:
         take = getattr(self.inner, "take_evicted", None)
-        return take() if take is not None else []
+        return take(stamp=stamp) if take is not None else []
+
+    def free_retired(self, learnt_through: int) -> int:
+        free = getattr(self.inner, "free_retired", None)
+        return free(learnt_through) if free is not None else 0
 
     def close(self) -> None:
         self.inner.close()

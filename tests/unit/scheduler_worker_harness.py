@@ -400,6 +400,8 @@ class Engine:
         self._new: list[NewRequestData] = []
         self._cached: list[tuple[str, list[int] | None, bool]] = []  # (req_id, new block ids, resumed)
         self._scheduled: dict[str, int] = {}
+        #: reports of steps run with ``hold_report``: the scheduler learns them after building the next step
+        self._held_reports: list[tuple[RangeWorkerMetadata | None, set[str]]] = []
 
     @property
     def chunk_tokens(self) -> int:
@@ -519,7 +521,7 @@ class Engine:
     def step(self, *, forward: bool = True, snapshots: bool | None = None,
              abort_mid_step: Sequence[str] = (), layer_waits: bool = True, finish_in_step: Sequence[str] = (),
              rank_reports: Callable[[RangeWorkerMetadata | None], list[RangeWorkerMetadata | None]] | None = None,
-             ) -> StepResult:
+             hold_report: bool = False) -> StepResult:
         """One engine step; ``snapshots`` (default: when there is no forward) keeps copies of the KV cache.
 
         ``abort_mid_step``: requests aborted by the client while the step runs (after the scheduler built the
@@ -532,10 +534,15 @@ class Engine:
         ``StepResult.finished_params``, as vLLM serializes it after the step.
         ``rank_reports``: maps this worker's report to every rank's (other tensor-parallel ranks), aggregated as
         vLLM's ``KVOutputAggregator`` does (``distributed/kv_transfer/kv_connector/utils.py`` L144-153).
+        ``hold_report``: the scheduler learns this step's report only after it built the next step (asynchronous
+        scheduling: ``EngineCore.step_with_batch_queue`` schedules step N+1 before it processes step N's output).
         """
         if snapshots is None:
             snapshots = not forward
         meta = self.sched.build_connector_meta(self._scheduler_output())  # scheduler.py L1530/L1561
+        for held_meta, held_recving in self._held_reports:
+            self.sched.update_connector_output(held_meta, held_recving)
+        self._held_reports = []
         for req_id in abort_mid_step:
             r = self.running[req_id]
             assert self.sched.request_finished(r.request, list(r.block_ids)) == (False, None)
@@ -576,7 +583,10 @@ class Engine:
             r = self.running[req_id]
             delay_free, finished_params[req_id] = self.sched.request_finished(r.request, list(r.block_ids))
             assert delay_free is False
-        self.sched.update_connector_output(worker_meta, finished_recving)  # scheduler.py L2330 -> L3219
+        if hold_report:
+            self._held_reports.append((worker_meta, finished_recving))
+        else:
+            self.sched.update_connector_output(worker_meta, finished_recving)  # scheduler.py L2330 -> L3219
         for req_id, n in self._scheduled.items():
             self.running[req_id].num_computed_tokens += n
         self._new, self._cached, self._scheduled = [], [], {}

@@ -107,3 +107,66 @@ def test_dram_index_loads_byte_exact_and_forgets_a_corrupt_chunk() -> None:
     assert list(eng.sched.lookup.index) == hashes[:3]
     assert eng.sched.get_num_new_matched_tokens(FakeRequest("probe", prompt), 0) == (96, False)
     eng.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("retain_evicted", [True, False], ids=["retained", "freed-at-once"])
+def test_a_dram_hit_evicted_before_the_scheduler_learnt_it_still_loads(retain_evicted: bool) -> None:
+    """Asynchronous scheduling plans step N+1 before it learns step N's report: a lookup can promise a stripe that
+    step N's saves evicted. The worker keeps it readable until the scheduler has learnt the eviction. Freed at once
+    (the tier without ``retain_evicted``), the same steps fail the load: the test can tell the two apart."""
+    dram = MemoryBackend(3 * CHUNK_BYTES_DENSE_32, name="dram", retain_evicted=retain_evicted)
+    eng = Engine([dram], lookup_backends=None, seed=11)
+    prompt = prompt_tokens(150, seed=40)
+    hashes = chain(prompt, 32)
+    eng.admit(FakeRequest("D-0", prompt), 70)
+    eng.step()  # chunks 0, 1: one stripe
+    src = list(eng.running["D-0"].block_ids)
+    saved = snapshot(eng.kv)
+    eng.continue_("D-0")
+    s2 = eng.step(hold_report=True)  # chunks 2, 3 saved; chunks 0, 1's stripe evicted; not learnt yet
+    assert s2.worker_meta is not None and s2.worker_meta.dropped == hashes[:2]
+    assert dram.get_tickets([ticket_key(hashes[0], 0)]) == [None]  # nothing new can find the evicted stripe
+    assert dram.num_retired() == (1 if retain_evicted else 0)
+    eng.finish("D-0")
+
+    assert eng.admit(FakeRequest("D-1", prompt), 70) == 64  # the index has not learnt the eviction
+    dst = eng.running["D-1"].block_ids
+    s3 = eng.step(forward=False)
+    if not retain_evicted:
+        assert s3.invalid_block_ids == set(dst[:4])  # the promised stripe was gone: vLLM recomputes it
+        eng.close()
+        return
+    assert s3.invalid_block_ids == set()
+    for i in range(4):
+        assert same_block(s3.after_load, dst[i], saved, src[i])
+    assert s3.meta.reports_learnt_through == 0 and dram.num_retired() == 1  # (planned before report 1 was learnt)
+    eng.continue_("D-1")
+    eng.step()  # built after reports 1 and 2 were learnt: the retired stripe goes
+    assert dram.num_retired() == 0 and dram.retired_bytes() == 0
+    eng.close()
+
+
+def test_dram_tier_holds_retired_stripes_beside_its_budget_at_most_the_budget_again() -> None:
+    """Retired stripes leave the budget (``used_bytes``) and are held beside it up to ``capacity_bytes``, oldest
+    freed first past that; reported ones go once the scheduler has learnt the report."""
+    from range_connector.backends.base import StripeWrite
+
+    dram = MemoryBackend(400, name="dram", retain_evicted=True)
+
+    def write(sid: str) -> bool:
+        return dram.write_stripe(StripeWrite(sid, [sid.encode() * 100] * 2, [(b"k" + sid.encode(), b"t")]))
+
+    assert write("a") and write("b")  # 400 of 400
+    assert write("c")  # "a" evicted: retired, readable, its ticket gone
+    assert dram.used_bytes() == 400 and dram.retired_bytes() == 200 and dram.num_retired() == 1
+    assert dram.get_tickets([b"ka"]) == [None]
+    assert bytes(dram.view_stripes(["a"])[0][0]) == b"a" * 100
+    assert dram.take_evicted(stamp=7) == [b"ka"]
+    assert write("d") and write("e")  # "b", "c" retired too: 600 > 400 beside the budget, the oldest ("a") goes
+    assert dram.retired_bytes() == 400 and dram.retired_freed_early == 1 and dram.view_stripes(["a"]) == [None]
+    assert dram.take_evicted(stamp=8) == [b"kb", b"kc"]
+    assert dram.free_retired(7) == 0  # ("a", the one stamped 7, was already freed)
+    assert dram.free_retired(8) == 2 and dram.retired_bytes() == 0 and dram.used_bytes() == 400
+    assert dram.view_stripes(["b"]) == [None]
+    assert write("f") and dram.take_evicted() == [b"kd"] and dram.num_retired() == 0  # no stamp: freed at once

@@ -110,6 +110,11 @@ def test_a_hit_is_loaded_part_from_dram_part_from_files_byte_exact_and_counted_b
     counts = eng.sched.tally.counts
     assert counts["loaded_tokens"] == 128
     assert counts["loaded_tokens@memory"] == 64 and counts["loaded_tokens@file"] == 64
+    worker = eng.worker.stats
+    assert worker["loaded_bytes@memory"] == worker["loaded_bytes@file"] == 2 * CHUNK_BYTES_DENSE_32
+    assert eng.sched.stats["hit_tokens_taken@memory"] == eng.sched.stats["hit_tokens_taken@file"] == 64
+    assert eng.sched.stats.get("hit_tokens_left_out@file", 0) == 0
+    assert eng.sched.stats["loads@file"] == 1 and eng.sched.stats["load_seconds@file"] > 0  # (the farthest tier)
     eng.finish("L-0")
     eng.close()
 
@@ -222,7 +227,9 @@ def test_the_gate_weighs_each_tier_run_and_leaves_out_a_far_tier_slower_than_rec
     _slow(gate, "file", 2, 1e-4)
     assert eng.sched.get_num_new_matched_tokens(FakeRequest("fast", prompt), 0)[0] == 128
     _slow(gate, "file", 2, 5.0)  # a far tier that slowed down (5 s per MiB: slower than recompute here)
-    assert eng.sched.get_num_new_matched_tokens(FakeRequest("slow", prompt), 0)[0] == 64  # the DRAM run only
+    assert eng.admit(FakeRequest("slow", prompt)) == 64  # the DRAM run only
+    assert eng.sched.stats["hit_tokens_taken@memory"] == 64 and eng.sched.stats["hit_tokens_left_out@file"] == 64
+    assert eng.sched.stats.get("hit_tokens_left_out@memory", 0) == 0
     [probe] = eng.sched.admission.probes
     assert {stripe_tier(t.stripe_id)[0] for t in probe} == {1}  # a chunk of the left-out run, on the file tier
     instant_probes(monkeypatch)  # (the probe timed on a virtual clock: 0.1 ms, a fast tier again)

@@ -390,6 +390,7 @@ class FileBackend(Backend):
         """Live leases on this shard, held by any process (for tests and metrics)."""
         return num_live_leases(self.root)
 
-    def take_evicted(self) -> list[bytes]:
-        """Return and forget the ticket keys that this instance's evictions dropped since the last call."""
+    def take_evicted(self, stamp: int | None = None) -> list[bytes]:
+        """Return and forget the ticket keys that this instance's evictions dropped since the last call (``stamp``,
+        the report's step, is not needed here: an evicted file is gone at once, and its load is a miss)."""
         return self._log.take_dropped()
