@@ -48,10 +48,10 @@ def stripe_tier(stripe_id: str) -> tuple[int, str]:
     return 0, stripe_id
 
 
-def chunk_tier(chunk) -> int:
-    """The tier a planned :class:`~range_connector.kv.metadata.ChunkTransfer` is read from: its first ticket's tag
-    (a ticket in pieces: its first piece's); 0 without tickets."""
-    first = chunk.tickets[0] if chunk.tickets else None
+def tickets_tier(tickets) -> int:
+    """The tier a chunk's ``[num_groups * num_shards]`` tickets are read from: the first ticket's tag (a ticket in
+    pieces: its first piece's); 0 without tickets."""
+    first = tickets[0] if tickets else None
     if isinstance(first, tuple):
         first = first[0] if first else None
     return stripe_tier(first.stripe_id)[0] if first is not None else 0

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from range_connector.backends.base import Backend
-from range_connector.backends.tiered import TieredBackend, stripe_tier, tag_stripe
+from range_connector.backends.tiered import TieredBackend, stripe_tier, tag_stripe, tickets_tier
 from range_connector.config import RangeConfig
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.tickets import Ticket
@@ -31,8 +31,7 @@ Entry = tuple  # one chunk's ``[num_groups * num_shards]`` tickets (each a Ticke
 
 def entry_tier(entry: Entry) -> int:
     """The tier a looked-up chunk is loaded from (from its first ticket's tag)."""
-    first = entry[0]
-    return stripe_tier((first[0] if isinstance(first, tuple) else first).stripe_id)[0]
+    return tickets_tier(entry)
 
 
 def _tag(entry: Entry, tier: int) -> Entry | None:

@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from range_connector.backends.base import Backend
-from range_connector.backends.tiered import TieredBackend, chunk_tier, leaf_backends
+from range_connector.backends.tiered import TieredBackend, leaf_backends, tickets_tier
 from range_connector.metrics import tier_key
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
@@ -355,7 +355,7 @@ class RangeWorker:
         self.stats.add("loaded_blocks", loaded)  # tokens are counted once per engine, by the scheduler (LoadTally)
         self.stats.add("loaded_bytes", loaded * layout.block_bytes)
         types = [t.type for t in self.config.tiers]
-        tier_of = {c.chunk_hash: chunk_tier(c) for r in reqs for c in r.chunks}
+        tier_of = {c.chunk_hash: tickets_tier(c.tickets) for r in reqs for c in r.chunks}
         by_tier: dict[str, int] = {}
         for chunk_hash, _shards, dst_ids in done:
             tier = tier_of.get(chunk_hash, 0)
