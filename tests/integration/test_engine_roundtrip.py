@@ -131,7 +131,11 @@ def test_producer_run_is_cold_and_equal_to_reference(scenario):
     prod, ref = scenario["prod"], scenario["ref"]
     assert prod[0]["external_hits"] == 0
     assert prod[0]["token_ids"] == ref[0]["token_ids"]
-    assert prod[1]["token_ids"] == ref[2]["token_ids"]
+    # The batch's first five prompts share nothing with anything saved, so they are computed cold in both runs.
+    assert prod[1]["token_ids"][:5] == ref[2]["token_ids"][:5]
+    # The last one starts with x[:256], which the producer saved one step earlier: it may load it (when the save
+    # has landed by its lookup), and under MLA that takes the cached-context path (see assert_same_greedy).
+    assert_same_greedy(scenario["kind"], prod[1]["token_ids"][5:], ref[2]["token_ids"][5:])
 
 
 def test_fresh_engine_gets_the_promised_hit(scenario):
