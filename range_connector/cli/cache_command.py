@@ -14,6 +14,7 @@ exit 2. The work is :mod:`range_connector.ops` (``cache_inventory``, ``cache_loo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -231,13 +232,15 @@ def _lookup(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise ConfigError("--model", f"{args.model} is not a directory (a local model directory is needed)")
     prompt = _prompt_ids(args)
-    from range_connector.ops.cache_lookup import lookup_prompt
-    from range_connector.ops.offline_spec import offline_namespace
+    # vLLM logs to stdout from its first import on: its lines go to stderr here, so that stdout is the answer alone
+    with contextlib.redirect_stdout(sys.stderr):
+        from range_connector.ops.cache_lookup import lookup_prompt
+        from range_connector.ops.offline_spec import offline_namespace
 
-    spec = offline_namespace(args.model, _extra(args), tensor_parallel_size=args.tensor_parallel_size,
-                             block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
-    token_ids = prompt if isinstance(prompt, list) else _tokenize(spec.tokenizer, prompt)
-    answer = lookup_prompt(spec, token_ids, cache_salt=args.cache_salt)
+        spec = offline_namespace(args.model, _extra(args), tensor_parallel_size=args.tensor_parallel_size,
+                                 block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
+        token_ids = prompt if isinstance(prompt, list) else _tokenize(spec.tokenizer, prompt)
+        answer = lookup_prompt(spec, token_ids, cache_salt=args.cache_salt)
     if args.json:
         print(json.dumps(answer.as_dict(), indent=1))
         return EXIT_OK
