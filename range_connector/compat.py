@@ -94,7 +94,7 @@ def attention_group(kv_cache_config: KVCacheConfig) -> AttentionGroup:
             manager on), or a recurrent-state group (then the message says why: :data:`RECURRENT_STATE_REASON`);
             this version of the connector serves neither.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     groups = [g for g in kv_cache_config.kv_cache_groups if not getattr(g, "is_eagle_group", False)]
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
@@ -103,25 +103,62 @@ def attention_group(kv_cache_config: KVCacheConfig) -> AttentionGroup:
             raise ConfigError("kv_connector", f"RangeConnector cannot serve a model with recurrent state: its "
                                               f"KV-cache groups are {kinds}. {RECURRENT_STATE_REASON}.")
         raise ConfigError("kv_connector", f"RangeConnector serves one full-attention KV-cache group, got {kinds}")
-    spec = groups[0].kv_cache_spec
-    fields = (
-        ("spec", type(spec).__name__),
-        ("block_size", str(spec.block_size)),
-        ("num_kv_heads", str(spec.num_kv_heads)),
-        ("head_size", str(spec.head_size)),
-        ("head_size_v", str(getattr(spec, "head_size_v", ""))),
-        ("dtype", str(spec.dtype)),
-        ("kv_quant_mode", str(getattr(spec, "kv_quant_mode", ""))),
-        ("cache_dtype_str", str(getattr(spec, "cache_dtype_str", ""))),
-        ("page_size_bytes", str(spec.page_size_bytes)),
-    )
-    return AttentionGroup(
-        layer_names=tuple(groups[0].layer_names),
-        block_size=spec.block_size,
-        page_size_bytes=spec.page_size_bytes,
-        spec_fields=fields,
-        is_mla=isinstance(spec, MLAAttentionSpec),
-    )
+    return _group_of(groups[0].kv_cache_spec, tuple(groups[0].layer_names))
+
+
+def _group_of(spec: Any, layer_names: tuple[str, ...]) -> AttentionGroup:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    fields = (("spec", type(spec).__name__), ("block_size", str(spec.block_size)),
+              ("num_kv_heads", str(spec.num_kv_heads)), ("head_size", str(spec.head_size)),
+              ("head_size_v", str(getattr(spec, "head_size_v", ""))), ("dtype", str(spec.dtype)),
+              ("kv_quant_mode", str(getattr(spec, "kv_quant_mode", ""))),
+              ("cache_dtype_str", str(getattr(spec, "cache_dtype_str", ""))),
+              ("page_size_bytes", str(spec.page_size_bytes)))
+    return AttentionGroup(layer_names=layer_names, block_size=spec.block_size, page_size_bytes=spec.page_size_bytes,
+                          spec_fields=fields, is_mla=isinstance(spec, MLAAttentionSpec))
+
+
+def offline_vllm_config(model: str, **engine_args: Any) -> VllmConfig:
+    """vLLM's config of an engine started with ``model`` and ``engine_args`` (``EngineArgs`` names:
+    ``tensor_parallel_size``, ``block_size``, ``kv_cache_dtype``, ``dtype``, ...), resolved by vLLM itself
+    (``EngineArgs.create_engine_config``, platform defaults included) without starting an engine.
+
+    Raises:
+        ConfigError: vLLM refuses the model or an argument (names ``model``, with vLLM's message).
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        return EngineArgs(model=model, enforce_eager=True, **engine_args).create_engine_config()
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:  # (pydantic's ValidationError is a ValueError)
+        raise ConfigError("model", f"vLLM cannot build an engine config for {model}: {str(exc)[:400]}") from exc
+
+
+def offline_attention_group(vllm_config: VllmConfig) -> AttentionGroup:
+    """The KV-cache group an engine built from ``vllm_config`` registers, derived without loading the model: the spec
+    its attention layers build (vLLM 0.32 ``Attention.get_kv_cache_spec``, model_executor/layers/attention/
+    attention.py L606, and ``MLAAttention.get_kv_cache_spec``, mla_attention.py L1350; the CPU backend does not
+    customize it), one layer per attention layer of the model. Layer names are placeholders (only their count
+    enters the namespace). Models whose attention layers set their own ``head_size_v`` are not covered.
+
+    Raises:
+        ConfigError: the model keeps recurrent state (:func:`refuse_recurrent_state`).
+    """
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, get_kv_quant_mode
+
+    refuse_recurrent_state(vllm_config)
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    common = dict(block_size=cc.block_size, head_size=mc.get_head_size(), kv_quant_mode=get_kv_quant_mode(
+        cc.cache_dtype), dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc))
+    if mc.use_mla:
+        spec = MLAAttentionSpec(num_kv_heads=1, max_tp_shards=1, cache_dtype_str=cc.cache_dtype, **common,
+                                state_content_bytes={"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(cc.cache_dtype))
+    else:
+        spec = FullAttentionSpec(num_kv_heads=mc.get_num_kv_heads(pc), **common)
+    num_layers = mc.get_num_layers_by_block_type(pc, "attention")
+    return _group_of(spec, tuple(f"offline.layers.{i}" for i in range(num_layers)))
 
 
 def kv_packing(vllm_config: VllmConfig, group: AttentionGroup) -> str:

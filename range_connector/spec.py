@@ -116,6 +116,43 @@ def build_namespace(vllm_config: VllmConfig, config: RangeConfig, group: compat.
     return namespace_fingerprint(fields), fields
 
 
+def resolve_deployment(vllm_config: VllmConfig, group: compat.AttentionGroup, extra: dict, *, in_worker: bool
+                       ) -> tuple[RangeConfig, RangeConfig, ShardPlan, compat.ContextParallel, RankLayout, bytes, dict]:
+    """Everything the namespace follows from, resolved as every connector instance does (and, without an engine,
+    :mod:`range_connector.ops.offline_spec`): the parsed and the resolved config, the shard plan, the
+    context-parallel sizes, the ranks' head slices, the namespace and its fields.
+
+    Args:
+        vllm_config: vLLM's config of the engine.
+        group: the KV-cache group Range serves (:func:`~range_connector.compat.attention_group`).
+        extra: ``kv_connector_extra_config``.
+        in_worker: this process is a worker (its context-parallel ranks are read).
+
+    Returns:
+        ``(parsed config, resolved config, plan, cp, ranks, namespace, namespace fields)``.
+
+    Raises:
+        ConfigError: a bad config, pipeline parallelism, or DCP with KV heads split over TP ranks (names the key).
+    """
+    cp = compat.context_parallel(vllm_config, in_worker=in_worker)
+    parsed = RangeConfig.from_extra_config(extra)
+    pp_size = compat.pipeline_parallel_size(vllm_config)
+    if pp_size > 1:
+        raise ConfigError("pipeline_parallel_size", f"is {pp_size}: a hit needs every stage's layers, and "
+                                                    "RangeConnector stores one stage's; run it with "
+                                                    "pipeline_parallel_size 1")
+    config, plan = deployment_plan(parsed, cp, group.block_size,
+                                   num_shards_set="num_shards" in extra or bool(parsed.tier.servers))
+    total_heads, local_heads, tp_size = compat.kv_heads(vllm_config, group)
+    ranks = rank_layout(total_heads, tp_size, local_heads=local_heads, process_local=config.has_memory_tier)
+    if cp.dcp_size > 1 and ranks.num_groups > 1:
+        raise ConfigError("decode_context_parallel_size", f"is {cp.dcp_size} with KV heads split over "
+                                                          f"{tp_size} tensor-parallel ranks, which "
+                                                          "RangeConnector does not serve (MLA models only)")
+    namespace, fields = build_namespace(vllm_config, config, group, plan, ranks)
+    return parsed, config, plan, cp, ranks, namespace, fields
+
+
 def producer_settings(namespace_fields: dict) -> dict:
     """The settings a producer and a consumer must share, by name (sent in ``kv_transfer_params``; JSON-safe).
 
@@ -175,25 +212,9 @@ class RangeSpec:
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, in_worker: bool) -> RangeSpec:
         """Resolve the spec from vLLM's config (``kv_transfer_config``) and the engine's KV-cache config."""
         transfer = vllm_config.kv_transfer_config
-        extra = transfer.kv_connector_extra_config or {}
         group = compat.attention_group(kv_cache_config)
-        cp = compat.context_parallel(vllm_config, in_worker=in_worker)
-        parsed = RangeConfig.from_extra_config(extra)
-        pp_size = compat.pipeline_parallel_size(vllm_config)
-        if pp_size > 1:
-            raise ConfigError("pipeline_parallel_size", f"is {pp_size}: a hit needs every stage's layers, and "
-                                                        "RangeConnector stores one stage's; run it with "
-                                                        "pipeline_parallel_size 1")
-        config, plan = deployment_plan(parsed, cp, group.block_size,
-                                       num_shards_set="num_shards" in extra or bool(parsed.tier.servers))
-        total_heads, local_heads, tp_size = compat.kv_heads(vllm_config, group)
-        ranks = rank_layout(total_heads, tp_size, local_heads=local_heads,
-                            process_local=config.has_memory_tier)
-        if cp.dcp_size > 1 and ranks.num_groups > 1:
-            raise ConfigError("decode_context_parallel_size", f"is {cp.dcp_size} with KV heads split over "
-                                                              f"{tp_size} tensor-parallel ranks, which "
-                                                              "RangeConnector does not serve (MLA models only)")
-        namespace, fields = build_namespace(vllm_config, config, group, plan, ranks)
+        parsed, config, plan, cp, ranks, namespace, fields = resolve_deployment(
+            vllm_config, group, transfer.kv_connector_extra_config or {}, in_worker=in_worker)
         if transfer.kv_role == "kv_producer" and config.save_mode == "async":
             # A prefill engine's answer (kv_transfer_params) promises KV that is stored: its saves end in the step.
             config = dataclasses.replace(config, save_mode="sync")

@@ -39,19 +39,18 @@ from range_connector.metrics import LoadTally, tokens_per_chunk
 from range_connector.scheduler.admission import Admission
 from range_connector.scheduler.handoff import Handoff
 from range_connector.scheduler.leases import LeaseBook
-from range_connector.scheduler.lookup import PrefixLookup
 from range_connector.scheduler.planning import (
     LookupResult,
     RequestState,
     failed_load,
-    hit_tokens,
+    lookup_hit,
     plan_load,
     plan_save,
     redo_from,
     scheduled_progress,
 )
 from range_connector.scheduler.request_input import RequestInputs
-from range_connector.scheduler.tiers import Promotions, TieredLookup, entry_tier, tier_runs
+from range_connector.scheduler.tiers import Promotions, entry_tier, make_lookup, tier_runs
 
 if TYPE_CHECKING:
     from range_connector.scheduler.engine_view import EngineRequest, StepSchedule
@@ -115,8 +114,7 @@ class RangeScheduler:
         self.promotions = Promotions(config.promote_after_hits) if (
             len(config.tiers) > 1 and config.has_memory_tier and config.promote_after_hits > 0) else None
         self.stats["promoted_chunks@memory"] = 0
-        self.lookup = (TieredLookup(config, self.plan, lookup_backends, **lookup_kwargs) if len(config.tiers) > 1
-                       else PrefixLookup(config, self.plan, lookup_backends, **lookup_kwargs))
+        self.lookup = make_lookup(config, self.plan, lookup_backends, **lookup_kwargs)
         self.leases = LeaseBook(lookup_backends, config.lease_ttl_s, self.stats)
         #: every request's client input, parsed once (typed, bounded; what is dropped is counted by kind)
         self.inputs = RequestInputs(self.stats)
@@ -200,11 +198,8 @@ class RangeScheduler:
         if tickets is None:
             self.stats["lookups_pending"] += 1
             return None, False  # the lookup is still running: vLLM asks again next step and runs other requests
-        stored = min(len(tickets), len(hashes))
-        has_tail = len(tickets) > len(hashes)
-        hit = hit_tokens(stored, self.chunk_tokens, num_prompt, self.block_size)
-        if has_tail:  # the whole prompt is stored: all of it but the last token (vLLM computes that one)
-            hit = max(hit, num_prompt - 1)
+        # (the whole prompt stored, its tail too: all of it but the last token, which vLLM computes)
+        stored, has_tail, hit = lookup_hit(len(tickets), len(hashes), self.chunk_tokens, num_prompt, self.block_size)
         failed_at = self._load_failed_at_tokens.get(req_id)
         if failed_at is not None and hit > failed_at:  # this request's load failed there: recompute the rest
             hit, has_tail = max(failed_at, num_computed_tokens), False

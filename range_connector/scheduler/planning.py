@@ -34,6 +34,21 @@ def hit_tokens(num_stored_chunks: int, chunk_tokens: int, num_prompt_tokens: int
     return min(num_stored_chunks * chunk_tokens, cap) // block_size * block_size
 
 
+def lookup_hit(num_found: int, num_full_chunks: int, chunk_tokens: int, num_prompt_tokens: int,
+               block_size: int) -> tuple[int, bool, int]:
+    """What a lookup that found ``num_found`` entries of a prompt's chain (its ``num_full_chunks`` full chunks, then
+    its partial last chunk's tail) can promise.
+
+    Returns:
+        ``(stored full chunks, whether the tail is stored, hit tokens)``: :func:`hit_tokens` of the stored chunks,
+        or with the tail stored (the whole prompt) all of the prompt but the last token.
+    """
+    stored = min(num_found, num_full_chunks)
+    has_tail = num_found > num_full_chunks
+    hit = hit_tokens(stored, chunk_tokens, num_prompt_tokens, block_size)
+    return stored, has_tail, max(hit, num_prompt_tokens - 1) if has_tail else hit
+
+
 @dataclass
 class RequestState:
     """What the scheduler half knows of a request vLLM committed to (from ``update_state_after_alloc`` on)."""

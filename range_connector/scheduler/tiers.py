@@ -118,6 +118,21 @@ class TieredLookup(PrefixLookup):
         self._runner.shutdown(wait=False)
 
 
+def make_lookup(config: RangeConfig, plan, backends: Sequence[Backend] | None, **kwargs) -> PrefixLookup:
+    """The scheduler's lookup of ``config``'s tiers: a :class:`TieredLookup` over two or more tiers, else one
+    :class:`~range_connector.scheduler.lookup.PrefixLookup` (``backends`` ``None``: the DRAM tier's index).
+
+    Args:
+        config: resolved config.
+        plan: the shard plan.
+        backends: ``[num_shards]`` as :func:`~range_connector.backends.factory.open_scheduler_backends` opens them.
+        **kwargs: as :class:`PrefixLookup` (``num_layers``, ``layer_block_bytes``, ``stats``, ``groups``).
+    """
+    if len(config.tiers) > 1:
+        return TieredLookup(config, plan, backends, **kwargs)  # type: ignore[arg-type]
+    return PrefixLookup(config, plan, backends, **kwargs)
+
+
 class Promotions:
     """Which chunks loaded from a farther tier earn a copy in the DRAM tier: a chunk is promoted at its
     ``after_hits``-th such load, counted over the last :attr:`MAX_TRACKED` chunks loaded from farther tiers (least

@@ -17,6 +17,8 @@ SPEC.json OUT.json``. Steps:
 * ``{"op": "count_layer_hooks"}`` (counts start) and ``{"op": "layer_hook_counts"}`` -> ``{"counts": {hook:
   {layer_name: calls}}}`` of the connector's per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``);
 * ``{"op": "mla_probe"}`` -> the worker's MLA branch probes and each attention layer's ``use_direct_call``;
+* ``{"op": "mark", "path": p}`` writes an empty file at ``p``, and ``{"op": "wait_for", "path": p, "timeout_s": s}``
+  waits until a file exists at ``p`` (fails past ``s``): a test acts on the tiers between two steps of one engine;
 * ``{"op": "corrupt", "url": valkey URL, "byte_offset": n, "rank": r}`` -> flips one byte of layer 0 of the first
   chunk tensor-parallel rank ``r`` (default 0) read in its last loading step (inside the chunk's first block, in the
   stripe's value);
@@ -182,6 +184,16 @@ def main(spec_path: str, out_path: str) -> None:
 
             for server in server_status(step["runtime_dir"]):
                 os.kill(server.pid, getattr(signal, "SIG" + step["signal"]))
+            results.append({"ok": True})
+        elif op == "mark":
+            open(step["path"], "w").close()
+            results.append({"ok": True})
+        elif op == "wait_for":
+            deadline = time.monotonic() + step.get("timeout_s", 300)
+            while not os.path.exists(step["path"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{step['path']} did not appear within {step.get('timeout_s', 300)} s")
+                time.sleep(0.05)
             results.append({"ok": True})
         elif op == "sleep":
             time.sleep(step["seconds"])
