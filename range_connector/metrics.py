@@ -157,6 +157,10 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
                               "recomputed and forgotten."),
     "load_backend_errors": ("vllm:range_load_backend_errors",
                             "Tier calls of loads that failed or timed out; their chunks recomputed."),
+    "lookups_not_read": ("vllm:range_lookups_not_read",
+                         "Requests whose lookup answer vLLM does not read (skip_reading_prefix_cache: prompt "
+                         "logprobs, token-level pooling; vllm#57596): counted neither as hits nor as left-out hit "
+                         "tokens, and not weighed by the gate."),
 }
 #: the cost-model gate's decisions, one counter with a ``decision`` label (stats key -> label value)
 PROM_GATE = ("vllm:range_gate_decisions", "Hits the cost-model gate took, shortened or refused, and its probes.")
@@ -187,6 +191,12 @@ PROM_TIER_COUNTERS: dict[str, tuple[str, str]] = {
                        "Chunks the tier evicted to stay within its byte budget (the DRAM tier, each worker)."),
     "demoted_chunks": ("vllm:range_tier_demoted_chunks",
                        "Chunks the tier evicted and wrote to the next tier (write_policy write-back; each worker)."),
+    "gate_predicted_load_seconds": ("vllm:range_gate_predicted_load_seconds",
+                                    "Seconds the cost-model gate predicted for the loads it admitted (load_mode "
+                                    "auto) whose realised time came back, by the farthest tier they read."),
+    "gate_realised_load_seconds": ("vllm:range_gate_realised_load_seconds",
+                                   "Seconds those loads took (the slowest rank's), by the farthest tier they read; "
+                                   "over vllm:range_gate_predicted_load_seconds_total it is the gate's bias."),
 }
 GATE_DECISIONS: dict[str, str] = {"decisions_taken": "taken", "decisions_shortened": "shortened",
                                   "decisions_refused": "refused", "decisions_probes": "probe"}

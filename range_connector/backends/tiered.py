@@ -23,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
@@ -80,6 +81,8 @@ class TieredBackend(Backend):
 
     Attributes:
         far_writes_skipped: far copies not written because the backlog was full or the write failed.
+        write_observer: called ``(tier index, seconds)`` after each tier's stripe write returned (the near one in
+            :meth:`write_stripe`, far ones where they run); the worker's saver sets it (histogram ``save_seconds``).
     """
 
     def __init__(self, tiers: Sequence[Backend | None], *, far_writes: str = "async",
@@ -107,6 +110,7 @@ class TieredBackend(Backend):
         self._lock = threading.Lock()
         self._far = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-far-write")
         self._pending: set = set()
+        self.write_observer: Callable[[int, float], None] | None = None
 
     # ------------------------------------------------------------------ routing
     def _tier(self, i: int) -> Backend | None:
@@ -166,7 +170,9 @@ class TieredBackend(Backend):
         elif self.write_back and write.tiers is not None:  # (dropped again when DRAM evicts it: bounded)
             with self._lock:
                 self._from_far.add(write.stripe_id)
+        start_s = time.monotonic()
         stored = self.tiers[near].write_stripe(self._for_tier(write, near))  # type: ignore[union-attr]
+        self._observe(near, start_s)
         if not stored or not far:
             return stored
         if self.far_writes == "sync":
@@ -194,13 +200,21 @@ class TieredBackend(Backend):
         tier = self.tiers[i]
         assert tier is not None
         try:
-            if tier.write_stripe(self._for_tier(write, i)):
+            start_s = time.monotonic()
+            stored = tier.write_stripe(self._for_tier(write, i))
+            self._observe(i, start_s)
+            if stored:
                 return True
         except (BackendError, ValueError) as exc:
             logger.warning("Range save to %s failed: %s", tier.name, exc)
         with self._lock:
             self.far_writes_skipped += 1
         return False
+
+    def _observe(self, tier_idx: int, start_s: float) -> None:
+        observer = self.write_observer
+        if observer is not None:
+            observer(tier_idx, time.monotonic() - start_s)
 
     def demote(self, stripe_id: str, layer_values: list[bytes], tickets: list[tuple[bytes, bytes]]) -> None:
         """The nearest tier evicted a stripe of this shard: with ``write_back``, write it to the next tier on the

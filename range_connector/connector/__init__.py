@@ -26,6 +26,7 @@ from range_connector.metrics import stats_delta
 from range_connector.scheduler.facade import RangeScheduler
 from range_connector.spec import NO_MLA_FALLBACK_ENV, RangeSpec
 from range_connector.worker.facade import RangeWorker
+from range_connector.worker.observe import bank_gauges
 from range_connector.worker.pcp_router import PcpWorkerRouter
 
 if TYPE_CHECKING:
@@ -132,7 +133,8 @@ class RangeConnector(KVConnectorBase_V1):
         return RangeWorkerReport(report) if report is not None else None
 
     def get_kv_connector_stats(self) -> RangeConnectorStats | None:
-        current = dict(self._worker.stats) if self._worker is not None else self._scheduler.counters()
+        current = ({**self._worker.stats.snapshot(), **bank_gauges(self._worker.banks)} if self._worker is not None
+                   else self._scheduler.counters())
         delta = stats_delta(current, self._last_stats)
         return RangeConnectorStats(data=delta) if delta else None
 

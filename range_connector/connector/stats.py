@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from range_connector.histograms import GAUGE_PREFIX, GAUGES, HISTOGRAMS, bucket_deltas, replay_histogram
 from range_connector.metrics import (
     GATE_DECISIONS,
     PROM_COUNTERS,
@@ -38,7 +39,9 @@ class RangeConnectorStats(KVConnectorStats):
     ``failed_tokens``, ``aborted_tokens``, ``preempted_load_tokens``). The cost-model gate's counters (scheduler
     side, :meth:`range_connector.cost.gate.DecisionStats.snapshot`): ``decisions_taken``,
     ``decisions_shortened``, ``decisions_refused``, ``decisions_probes``, ``loads_async``, ``loads_pipelined``, and
-    ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as floats).
+    ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as floats). Histogram buckets
+    (``hist:<name>@<tier>#<i>`` counts and ``...#<i>s`` sums) and gauge levels (``gauge:<name>``) ride in the same
+    mapping and add the same way (:mod:`range_connector.histograms`).
     """
 
     def reset(self) -> None:
@@ -57,8 +60,9 @@ class RangeConnectorStats(KVConnectorStats):
 
 
 class RangePromMetrics(KVConnectorPromMetrics):
-    """Range's counters on vLLM's ``/metrics`` (:data:`PROM_COUNTERS`, :data:`PROM_GATE`), one child per engine
-    (labels ``model_name``, ``engine``, as vLLM's own). Built by ``RangeConnector.build_prom_metrics`` in the
+    """Range's counters, histograms and gauges on vLLM's ``/metrics`` (:data:`PROM_COUNTERS`, :data:`PROM_GATE`,
+    :data:`~range_connector.histograms.HISTOGRAMS`, :data:`~range_connector.histograms.GAUGES`, ...), one child per
+    engine (labels ``model_name``, ``engine``, as vLLM's own). Built by ``RangeConnector.build_prom_metrics`` in the
     process that serves ``/metrics``."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
@@ -82,11 +86,37 @@ class RangePromMetrics(KVConnectorPromMetrics):
         for kind, key in REJECTION_STATS.items():
             self._counters[key] = {idx: rejected.labels(*values, kind)
                                    for idx, values in per_engine_labelvalues.items()}
+        #: (histogram key, tier) -> engine -> child
+        self._histograms: dict[tuple[str, str], dict[int, Any]] = {}
+        for key, spec in HISTOGRAMS.items():
+            hist = self._histogram_cls(name=spec.name, documentation=spec.doc, labelnames=[*labelnames, "tier"],
+                                       buckets=list(spec.buckets))
+            for tier in TIER_TYPES:
+                self._histograms[(key, tier)] = {idx: hist.labels(*values, tier)
+                                                 for idx, values in per_engine_labelvalues.items()}
+        #: gauge stats key -> engine -> (child, level): levels are kept here and set (vLLM's gauges are
+        #: "mostrecent" in multiprocess mode, which has no inc)
+        self._gauges: dict[str, dict[int, Any]] = {}
+        self._levels: dict[tuple[str, int], float] = {}
+        for key, (name, doc, _unit) in GAUGES.items():
+            gauge = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                    multiprocess_mode="mostrecent")
+            self._gauges[GAUGE_PREFIX + key] = {idx: gauge.labels(*values)
+                                                for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Add one interval's counts (:class:`RangeConnectorStats` data) to engine ``engine_idx``'s counters; other
-        keys are ignored."""
+        """Add one interval's counts (:class:`RangeConnectorStats` data) to engine ``engine_idx``'s counters, its
+        histogram buckets to the histograms and its gauge deltas to the gauges; other keys are ignored."""
         for key, value in transfer_stats_data.items():
             children = self._counters.get(key)
             if children is not None and value > 0 and engine_idx in children:
                 children[engine_idx].inc(value)
+            gauges = self._gauges.get(key)
+            if gauges is not None and value and engine_idx in gauges:
+                level = self._levels.get((key, engine_idx), 0.0) + value
+                self._levels[(key, engine_idx)] = level
+                gauges[engine_idx].set(level)
+        for (name, tier), per_bucket in bucket_deltas(transfer_stats_data).items():
+            children = self._histograms.get((name, tier))
+            if children is not None and engine_idx in children:
+                replay_histogram(children[engine_idx], HISTOGRAMS[name].buckets, per_bucket)

@@ -17,6 +17,7 @@ from range_connector.cost.decision import Action, Decision
 from range_connector.cost.gate import CostGate
 from range_connector.kv.metadata import RangeWorkerMetadata
 from range_connector.kv.tickets import Ticket
+from range_connector.histograms import observe
 from range_connector.metrics import tier_key
 from range_connector.scheduler.planning import LookupResult
 
@@ -204,7 +205,7 @@ class Admission:
             if num_external_tokens > 0:
                 self.decisions[req_id] = lookup.decision
 
-    def _add(self, key: str, n: int) -> None:
+    def _add(self, key: str, n: float) -> None:
         if n:
             self.stats[key] = self.stats.get(key, 0) + n
 
@@ -243,12 +244,15 @@ class Admission:
         """``B`` and ``T0`` from the loads and probes the workers finished (a load that ran out of time says only
         that the tier is at least that slow); each decision is matched with its load's realised time."""
         order = [t.type for t in self.config.tiers]
+        farthest: dict[tuple[str, ...], str | None] = {}
         for req_ids, _shard_bytes, seconds, _complete in slowest_rank_per_load(report.load_timings):
             known = [t for t in (self.load_tiers.get(r) for r in req_ids) if t in order]
-            tier = max(known, key=order.index) if known else order[-1] if len(order) == 1 else None
+            tier = farthest[req_ids] = max(known, key=order.index) if known else order[-1] if len(order) == 1 \
+                else None
             if tier is not None:  # (per tier: the job's farthest tier, as the gate learns it)
                 self._add(tier_key("loads", tier), 1)
                 self.stats[tier_key("load_seconds", tier)] = self.stats.get(tier_key("load_seconds", tier), 0) + seconds
+                observe(self.stats, "load_seconds", tier, seconds)
         if self.gate is None:
             return
         for shard_bytes, seconds, complete in report.probe_timings:
@@ -267,6 +271,20 @@ class Admission:
                                        tier=tier)
             for decision in decisions:
                 self.gate.record_load(decision, seconds)
+                self._observe_gated(decision, seconds, complete, farthest.get(req_ids))
+
+    def _observe_gated(self, decision: Decision, seconds: float, complete: bool, tier: str | None) -> None:
+        """The gate's prediction of an admitted load against its realised ``seconds``, by the load's farthest tier:
+        counters ``gate_predicted_load_seconds`` and ``gate_realised_load_seconds`` and the histogram
+        ``gate_load_ratio`` (realised / predicted). Loads cut by their deadline (``complete`` false: their seconds
+        are a lower bound) and probes are left out."""
+        predicted_s = decision.load_s
+        if (tier is None or not complete or decision.is_probe or decision.action is Action.REFUSE
+                or not 0 < predicted_s < float("inf")):
+            return
+        self._add(tier_key("gate_predicted_load_seconds", tier), predicted_s)
+        self._add(tier_key("gate_realised_load_seconds", tier), seconds)
+        observe(self.stats, "gate_load_ratio", tier, seconds / predicted_s)
 
     def forget(self, req_id: str) -> None:
         """The request ended."""

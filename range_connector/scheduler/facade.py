@@ -48,6 +48,7 @@ from range_connector.scheduler.planning import (
     plan_save,
     redo_from,
     scheduled_progress,
+    unread_lookup,
 )
 from range_connector.scheduler.request_input import RequestInputs
 from range_connector.scheduler.tiers import Promotions, entry_tier, make_lookup, tier_runs
@@ -183,6 +184,10 @@ class RangeScheduler:
             self._lookups[req_id] = LookupResult(hashes, [], 0, num_computed_tokens, num_computed_tokens, "pipelined",
                                                  tail, skip_saves=True)
             return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):  # vLLM drops the answer (vllm#57596): not a miss
+            self._lookups[req_id] = unread_lookup(self.lookup.lookup(req_id, hashes, tail), hashes, tail,
+                                                  num_computed_tokens, self.stats)
+            return 0, False
         if self.can_load and self.handoff.announced_nothing(request):  # its producer stored nothing: compute it now
             self._lookups[req_id] = LookupResult(hashes, [], 0, num_computed_tokens, num_computed_tokens, "pipelined",
                                                  tail)
@@ -279,9 +284,9 @@ class RangeScheduler:
         self.leases.take(req_id, chunks)
 
     def counters(self) -> dict[str, float]:
-        """Cumulative counters of this side: :attr:`stats`, the token tally and the gate's decisions."""
+        """Cumulative counters of this side: :attr:`stats`, the token tally, the gate's decisions, lease gauges."""
         gate = self.gate.stats.snapshot() if self.gate is not None else {}
-        return {**self.stats, **self.tally.counts, **gate}
+        return {**self.stats, **self.tally.counts, **gate, **self.leases.occupancy()}
 
     @property
     def num_leases(self) -> int:

@@ -13,6 +13,7 @@ from collections.abc import MutableMapping, Sequence
 
 from range_connector.backends.base import Backend
 from range_connector.errors import BackendError
+from range_connector.histograms import gauge_key
 from range_connector.kv.metadata import ChunkTransfer
 
 logger = logging.getLogger("vllm." + __name__)
@@ -74,6 +75,12 @@ class LeaseBook:
             except BackendError as exc:
                 self.stats["lease_errors"] += 1
                 logger.warning("Range: lease release on shard %d failed (it expires by itself): %s", s, exc)
+
+    def occupancy(self) -> dict[str, int]:
+        """The lease gauges (:data:`range_connector.histograms.GAUGES`): stripe leases held (one per stripe and
+        shard) and the requests holding them."""
+        stripes = sum(len(ids) for shards in self.held.values() for ids, _token in shards.values())
+        return {gauge_key("leased_stripes"): stripes, gauge_key("leasing_requests"): len(self.held)}
 
     def release_all(self) -> None:
         """Release every lease (the connector is closing)."""

@@ -2,7 +2,8 @@
 shard), or, for the in-process DRAM tier, the index this side keeps of what the workers hold.
 
 :class:`PrefixLookup` never raises on a tier failure: a backend error is a miss, and after one, lookups are misses
-without asking for the tier's ``retry_s`` seconds. A lookup may wait at most ``lookup_wait_s``; past that it goes on
+without asking for the tier's ``retry_s`` seconds. Each lookup that asks the tier is timed (histogram
+``lookup_seconds`` of the tier: :mod:`range_connector.histograms`). A lookup may wait at most ``lookup_wait_s``; past that it goes on
 in the background and the request is asked again at the next step (:meth:`PrefixLookup.lookup` returns ``None``).
 """
 
@@ -17,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from range_connector.backends.base import Backend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
+from range_connector.histograms import observe
 from range_connector.kv.heads import HeadSlice, resolve_pieces
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan, common_stored_prefix
@@ -115,6 +117,7 @@ class PrefixLookup:
         if not chunk_hashes:
             return []
         backends = self.backends
+        start_s = time.monotonic()
         if backends is None:
             out = []
             for h in chunk_hashes:
@@ -122,6 +125,7 @@ class PrefixLookup:
                 if tickets is None:
                     break
                 out.append(tickets)
+            observe(self.stats, "lookup_seconds", self.config.tier.type, time.monotonic() - start_s)
             return out
 
         groups = self.groups
@@ -151,7 +155,7 @@ class PrefixLookup:
                 found.append(tuple(entries))
             return found
 
-        if time.monotonic() < self._down_until:
+        if start_s < self._down_until:
             self.stats["lookups_skipped"] += 1
             return []
         try:
@@ -164,6 +168,8 @@ class PrefixLookup:
             self._down_until = time.monotonic() + self.config.tier.retry_s
             logger.warning("Range lookup failed; lookups are misses for %.1f s: %s", self.config.tier.retry_s, exc)
             return []
+        finally:  # (a failed lookup's time too: what the scheduler waited)
+            observe(self.stats, "lookup_seconds", self.config.tier.type, time.monotonic() - start_s)
         if len(groups) == 1:
             return [tuple(t for (t,) in shards) for shards in common_stored_prefix(per_shard)]
         return [tuple(shards[s][g] for g in range(len(groups)) for s in range(len(shards)))

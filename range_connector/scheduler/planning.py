@@ -85,6 +85,19 @@ class LookupResult:
     runs: list[tuple[str, int]] | None = None
 
 
+def unread_lookup(tickets: list[tuple[Ticket, ...]] | None, hashes: list[ChunkHash], tail: ChunkHash | None,
+                  num_computed_tokens: int, stats: dict[str, Any]) -> LookupResult:
+    """The lookup of a request whose answer vLLM does not read: ``skip_reading_prefix_cache`` (prompt logprobs,
+    token-level pooling), for which vLLM 0.32 asks the connector and then sets the external tokens to 0
+    (``Scheduler.schedule``, ``v1/core/sched/scheduler.py`` L979-984; vllm#57596). Its stored chunks (``tickets``,
+    ``None`` while the lookup runs on) only keep its saves from writing them again: nothing is promised, weighed by
+    the gate or counted as a hit or as left-out hit tokens; ``stats["lookups_not_read"]`` counts it."""
+    stats["lookups_not_read"] = stats.get("lookups_not_read", 0) + 1
+    tickets = tickets or []
+    return LookupResult(hashes, tickets, min(len(tickets), len(hashes)), num_computed_tokens, num_computed_tokens,
+                        "pipelined", tail, has_tail=len(tickets) > len(hashes))
+
+
 def plan_load(state: RequestState, lookup: LookupResult, block_ids: Sequence[int], num_external_tokens: int, *,
               block_size: int, blocks_per_chunk: int) -> list[ChunkTransfer]:
     """The chunks a committed load writes: tokens ``[num_computed_tokens, + num_external_tokens)`` of the lookup,

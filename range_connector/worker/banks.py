@@ -53,7 +53,9 @@ class BankPool:
         self._lock = threading.Lock()
         #: buffers allocated so far (a new one only when none free is large enough).
         self.allocations = 0
+        #: banks taken and not yet released; bytes of the buffers allocated and kept (free or in use)
         self.in_use = 0
+        self.allocated_bytes = 0
 
     def acquire(self, nbytes: int, timeout_s: float) -> TransferBank:
         """Take a free bank of at least ``nbytes`` bytes, waiting up to ``timeout_s`` for one to be released.
@@ -71,9 +73,11 @@ class BankPool:
                     buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 else:
                     if self._free:  # drop the largest too-small one: the pool never holds more than num_banks
-                        self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+                        dropped = self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
+                        self.allocated_bytes -= dropped.numel()
                     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
                     self.allocations += 1
+                    self.allocated_bytes += nbytes
                 self.in_use += 1
         except BaseException:
             self._slots.release()  # (an allocation that failed must not cost a slot for ever)

@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from range_connector.backends.base import Backend
-from range_connector.backends.tiered import TieredBackend, leaf_backends, tickets_tier
+from range_connector.backends.tiered import TieredBackend, leaf_backends
 from range_connector.metrics import tier_key
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
@@ -35,6 +35,7 @@ from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
 from range_connector.worker.counters import Counters
 from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
+from range_connector.worker.observe import count_tier_bytes, observe_first_layer
 from range_connector.worker.probes import probe_chunk
 from range_connector.worker.reassembly import has_pieces, reassemble
 from range_connector.worker.saves import StripeSaver
@@ -273,6 +274,7 @@ class RangeWorker:
 
     def _record_job(self, job: LoadJob) -> None:
         self._finish_load(job.reqs, dict(job.failed_from), job.done)  # (a copy: an overrunning thread may still add)
+        observe_first_layer(self.stats, job, [t.type for t in self.config.tiers])
         ready = [t for t in job.layer_ready_s if t is not None]
         num_blocks = sum(len(dst) for _h, _s, dst in job.done)
         req_ids = tuple(r.req_id for r in job.reqs)
@@ -354,15 +356,7 @@ class RangeWorker:
                 self._fail_from(req, failed_from[req.req_id])
         self.stats.add("loaded_blocks", loaded)  # tokens are counted once per engine, by the scheduler (LoadTally)
         self.stats.add("loaded_bytes", loaded * layout.block_bytes)
-        types = [t.type for t in self.config.tiers]
-        tier_of = {c.chunk_hash: tickets_tier(c.tickets) for r in reqs for c in r.chunks}
-        by_tier: dict[str, int] = {}
-        for chunk_hash, _shards, dst_ids in done:
-            tier = tier_of.get(chunk_hash, 0)
-            if tier < len(types):
-                by_tier[types[tier]] = by_tier.get(types[tier], 0) + len(dst_ids) * layout.block_bytes
-        for tier_type, nbytes in by_tier.items():
-            self.stats.add(tier_key("loaded_bytes", tier_type), nbytes)
+        count_tier_bytes(self.stats, [t.type for t in self.config.tiers], reqs, done, layout.block_bytes)
 
     def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
         """``[num_blocks, row]`` view of one plane of one layer of the KV cache (after ``register_kv_caches``)."""

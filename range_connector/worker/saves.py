@@ -6,7 +6,8 @@ owns, so preemption and block reuse cannot mix foreign KV into a stripe. With ``
 written before :meth:`StripeSaver.save` returns; with ``"async"`` one background thread writes them (at most
 ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped). A failed or skipped write is counted,
 never raised: a lost save is only a future miss. After a shard's write fails, saves to it are skipped for the tier's
-``retry_s``.
+``retry_s``. Each stripe write that returned is timed, by tier (histogram ``save_seconds``,
+:mod:`range_connector.histograms`).
 
 A save can also be asked to *confirm* its chunks (a disaggregated producer's, whose announcement must name only KV
 that is stored): each such chunk is reported once its write ended, stored or not (:meth:`StripeSaver.take_results`),
@@ -26,8 +27,10 @@ import torch
 import xxhash
 
 from range_connector.backends.base import Backend, StripeWrite
+from range_connector.backends.tiered import TieredBackend
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
+from range_connector.histograms import observe
 from range_connector.kv.heads import HeadSlice
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.sharding import ShardPlan
@@ -81,6 +84,13 @@ class StripeSaver:
         self._backlog_bytes = 0
         #: resets seen (:meth:`reset`): a save gathered in an earlier generation is not written, nor reported
         self.generation = 0
+        for b in backends:  # a hierarchy times each tier's write where it runs (far tiers: in the background)
+            if isinstance(b, TieredBackend):
+                b.write_observer = self._observe_write
+
+    def _observe_write(self, tier_idx: int, seconds: float) -> None:
+        if tier_idx < len(self.config.tiers):
+            observe(self.stats, "save_seconds", self.config.tiers[tier_idx].type, seconds)
 
     @property
     def backlog_bytes(self) -> int:
@@ -245,7 +255,10 @@ class StripeSaver:
         # could swap which of the two skip counters is added to, never lose one)
         no_space = backend.counters.saves_skipped_no_space
         try:
+            start_s = time.monotonic()
             stored = backend.write_stripe(write)
+            if not isinstance(backend, TieredBackend):  # (a hierarchy reports each tier's write itself)
+                self._observe_write(0, time.monotonic() - start_s)
         except (BackendError, ValueError) as exc:
             logger.warning("Range save to shard %d failed: %s", s, exc)
             self.stats.add("save_errors")

@@ -8,7 +8,9 @@ SPEC.json OUT.json``. Steps:
   (hits and queries: deltas of vLLM's own counters). ``kv_transfer_params`` go into each request's
   ``SamplingParams.extra_args`` as vLLM's OpenAI server puts them, and each output's come back (what the connector's
   ``request_finished`` returned): a test plays the disaggregated proxy's two calls this way between two engine runs;
-* ``{"op": "range_metrics"}`` -> ``{"metrics": [{"name", "labels", "value"}]}`` of every ``vllm:range*`` metric;
+* ``{"op": "range_metrics"}`` -> ``{"metrics": [{"name", "labels", "value", "count", "buckets"}]}`` of every
+  ``vllm:range*`` metric (``count`` and ``buckets``, ``le -> cumulative count``, of histograms; ``value`` of the
+  others); a ``generate`` step's ``"prompt_logprobs": n`` asks each request for its prompt's logprobs;
 * ``{"op": "last_loads"}`` -> block ids the connector wrote since the previous ``last_loads``, with their digests
   read from the engine's KV cache;
 * ``{"op": "block_digests"}`` -> digests of every non-zero block of the engine's KV cache;
@@ -95,7 +97,8 @@ def main(spec_path: str, out_path: str) -> None:
             params = step.get("kv_transfer_params")  # one dict for every prompt, or one per prompt
             per_prompt = params if isinstance(params, list) else [params] * len(step["prompts"])
             sampling = [SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 16),
-                                       extra_args={"kv_transfer_params": p} if p is not None else None)
+                                       extra_args={"kv_transfer_params": p} if p is not None else None,
+                                       prompt_logprobs=step.get("prompt_logprobs"))
                         for p in per_prompt]
             outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], sampling, use_tqdm=False)
             results.append({
@@ -136,9 +139,10 @@ def main(spec_path: str, out_path: str) -> None:
             _shard, tkey = llm.collective_rpc(debug.connector_last_loaded_tickets)[step.get("rank", 0)][step["index"]]
             tkey = deployment_key_prefix(step.get("deployment", "default")) + tkey  # (worker keys are per deployment)
             results.append({"deleted": int(client.delete(tkey)), "key": tkey})
-        elif op == "range_metrics":  # Range's counters as vLLM's metric reader shows them, with their labels
+        elif op == "range_metrics":  # Range's metrics as vLLM's metric reader shows them, with their labels
             results.append({"metrics": [{"name": m.name, "labels": dict(getattr(m, "labels", {}) or {}),
-                                         "value": getattr(m, "value", None)}
+                                         "value": getattr(m, "value", None), "count": getattr(m, "count", None),
+                                         "buckets": getattr(m, "buckets", None)}
                                         for m in llm.get_metrics() if m.name.startswith("vllm:range")]})
         elif op == "worker_stats":
             results.append({"stats": llm.collective_rpc(debug.connector_worker_stats)[0]})

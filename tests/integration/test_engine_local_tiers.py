@@ -2,7 +2,8 @@
 
 DRAM: bytes in the worker, index in the scheduler (learned from the worker's metadata), a hit after vLLM's own prefix
 cache is reset. File: stripes and tickets on disk, read by a fresh engine process. DRAM in front of Valkey: one
-prompt loaded part from each tier, then promoted into DRAM."""
+prompt loaded part from each tier, then promoted into DRAM; the latency histograms and gauges on the engine's
+Prometheus registry count in the right tiers, and a prompt-logprobs request (vLLM drops Range's answer) is no miss."""
 
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ def _tier_tokens(metrics: list[dict], name: str = "vllm:range_tier_loaded_tokens
             if m["name"] == name and m["labels"].get("tier") and m["value"]}
 
 
+def _hist_counts(metrics: list[dict], name: str) -> dict[str, int]:
+    """``tier -> observations`` of one histogram, tiers that observed nothing left out."""
+    return {m["labels"]["tier"]: m["count"] for m in metrics
+            if m["name"] == name and m["labels"].get("tier") and m.get("count")}
+
+
+def _value(metrics: list[dict], name: str) -> float | None:
+    """The value of an unlabelled counter or gauge (``None`` when it is not exported)."""
+    return next((m["value"] for m in metrics if m["name"] == name), None)
+
+
 def test_dram_in_front_of_valkey_loads_a_prompt_from_both_then_promotes_it(tmp_path):
     """DRAM holds two chunks' stripes (``capacity_bytes`` 1.1 MiB: 256 tokens x 2 KiB per chunk), Valkey (two
     embedded shards) everything. Chunk 0 of X is saved by A (= X's first chunk), chunk 1 by X; A is loaded again
@@ -94,6 +106,33 @@ def test_dram_in_front_of_valkey_loads_a_prompt_from_both_then_promotes_it(tmp_p
     promoted = [m["value"] for m in res[19]["metrics"] if m["name"] == "vllm:range_tier_promoted_chunks"
                 and m["labels"].get("tier") == "memory"]
     assert promoted == [1], res[19]["metrics"]
+    _check_histograms_and_gauges(res[19]["metrics"])
+    # A prompt-logprobs request of X (stored whole in DRAM): vLLM drops Range's answer (vllm#57596), so Range counts
+    # it as not read, not as hit tokens left out, and loads nothing.
+    assert res[21]["external_hits"] == 0
+    after = res[22]["metrics"]
+    assert _value(after, "vllm:range_lookups_not_read") == 1, after
+    assert _tier_tokens(after, "vllm:range_tier_hit_tokens_left_out") == {}
+    assert _tier_tokens(after, "vllm:range_tier_loads") == _tier_tokens(res[19]["metrics"], "vllm:range_tier_loads")
+
+
+def _check_histograms_and_gauges(metrics: list[dict]) -> None:
+    """After loads from DRAM and from Valkey: the latency histograms count in the right tiers, and the gauges are
+    there (the loads have ended: no lease is held)."""
+    loads = _tier_tokens(metrics, "vllm:range_tier_loads")
+    assert loads.get("memory", 0) >= 1 and loads.get("valkey", 0) >= 2, loads
+    assert _hist_counts(metrics, "vllm:range_load_seconds") == loads  # once per job, by its farthest tier
+    assert _hist_counts(metrics, "vllm:range_first_layer_seconds") == loads  # (one worker)
+    lookups = _hist_counts(metrics, "vllm:range_lookup_seconds")
+    assert lookups.get("memory", 0) >= 7 and lookups.get("valkey", 0) >= 1, lookups  # (Valkey: DRAM's misses only)
+    saves = _hist_counts(metrics, "vllm:range_save_seconds")
+    assert saves.get("memory", 0) >= 1 and saves.get("valkey", 0) >= 1, saves
+    assert set(_hist_counts(metrics, "vllm:range_gate_load_ratio")) == set()  # (load_mode pipelined: no gate)
+    [buckets] = [m["buckets"] for m in metrics if m["name"] == "vllm:range_load_seconds"
+                 and m["labels"].get("tier") == "valkey"]
+    assert len(buckets) == 21 and buckets["+Inf"] == loads["valkey"], buckets  # 10 us ... 30 s, +Inf
+    assert _value(metrics, "vllm:range_banks") >= 1
+    assert _value(metrics, "vllm:range_leased_stripes") == 0 and _value(metrics, "vllm:range_leasing_requests") == 0
 
 
 def _run_dram_valkey(tmp_path, model, connector, x, a, a2, filler) -> list[dict]:
@@ -109,4 +148,6 @@ def _run_dram_valkey(tmp_path, model, connector, x, a, a2, filler) -> list[dict]
         *gen,  # 13-15: the second far load of chunk 1: promoted
         *gen,  # 17-19: all from DRAM
         {"op": "worker_stats"},  # 20: (shown when an assertion fails)
+        {"op": "generate", "prompts": [x], "max_tokens": 2, "prompt_logprobs": 1},  # 21: vLLM drops the answer
+        {"op": "range_metrics"},  # 22
     ]})
