@@ -4,7 +4,7 @@ Importing this module puts the repository root on ``sys.path`` (the scripts run 
 a script imports it before anything of ``range_connector``; it imports nothing of ``range_connector`` itself.
 :func:`machine_info`, :func:`versions` and :func:`git_state` return plain JSON-able dicts for the result files;
 :func:`busy_cores` and :func:`wait_quiet` only read ``/proc/stat`` and sleep. Used by ``bench/granularity.py``,
-``bench/partition.py`` and ``bench/threshold.py``.
+``bench/partition.py``, ``bench/partition_shaped.py`` and ``bench/threshold.py``.
 """
 
 from __future__ import annotations

@@ -139,9 +139,10 @@ class Case:
     """One (S, placement): the payload saved as S shards on ``urls`` (one URL per shard, maybe repeated)."""
 
     def __init__(self, num_shards: int, placement: str, urls: list[str], args: argparse.Namespace,
-                 payload: Payload, dst: KV) -> None:
+                 payload: Payload, dst: KV, chunk_tokens: int = CHUNK_TOKENS) -> None:
         self.S, self.placement, self.urls, self.args, self.payload, self.dst = \
             num_shards, placement, urls, args, payload, dst
+        self.chunk_tokens = chunk_tokens  # whole blocks per shard: a multiple of BLOCK_SIZE * num_shards
         self.name = f"S{num_shards}-{placement}"
         self.server_urls = list(dict.fromkeys(urls))
         self.records: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
@@ -152,15 +153,15 @@ class Case:
     def setup(self) -> None:
         args, S = self.args, self.S
         tier = TierConfig("valkey", servers=tuple(self.urls), timeout_s=300.0)
-        config = RangeConfig(tiers=(tier,), num_shards=S, chunk_tokens=CHUNK_TOKENS,
+        config = RangeConfig(tiers=(tier,), num_shards=S, chunk_tokens=self.chunk_tokens,
                              load_deadline_s=600.0).resolve(BLOCK_SIZE)
         ns = namespace_fingerprint({"bench": "partition", "case": self.name, "run": args.run_tag})
         saver_b = [ValkeyBackend(u, timeout_s=300.0) for u in self.urls]
         saver = RangeWorker(config, BLOCK_SIZE, self.payload.kv.layer_names, self.payload.kv.num_blocks, saver_b)
         saver.register_kv_caches(self.payload.kv.layers)
         tokens = torch.randint(0, 128_000, (args.payload_tokens,), generator=self.gen).tolist()
-        self.hashes = prefix_hash_chain(ns, b"", tokens, CHUNK_TOKENS)
-        bpc, src = CHUNK_TOKENS // BLOCK_SIZE, self.payload.src_ids.tolist()
+        self.hashes = prefix_hash_chain(ns, b"", tokens, self.chunk_tokens)
+        bpc, src = self.chunk_tokens // BLOCK_SIZE, self.payload.src_ids.tolist()
         chunks = tuple(ChunkTransfer(i, h, tuple(range(bpc)), tuple(src[i * bpc:(i + 1) * bpc]))
                        for i, h in enumerate(self.hashes))
         t = time.perf_counter()
@@ -211,7 +212,7 @@ class Case:
         dst = self.dst
         dst.buf.zero_()
         self.dst_ids = torch.randperm(dst.num_blocks, generator=self.gen)[:self.args.payload_blocks]
-        ids, bpc = self.dst_ids.tolist(), CHUNK_TOKENS // BLOCK_SIZE
+        ids, bpc = self.dst_ids.tolist(), self.chunk_tokens // BLOCK_SIZE
         chunks = tuple(ChunkTransfer(i, h, tuple(range(bpc)), tuple(ids[i * bpc:(i + 1) * bpc]), self.tickets[i])
                        for i, h in enumerate(self.hashes))
         meta = RangeConnectorMetadata(loads=[RequestTransfer(f"load-{time.monotonic_ns()}", chunks,
