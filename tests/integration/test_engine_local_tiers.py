@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 def test_dram_tier_serves_a_hit_in_the_same_engine(tmp_path):
     model = build_model("gqa", "tiny")
     x = prompt_ids(model, 600)
-    res = run_engine(tmp_path, "dram", {"model": str(model), "connector": {"backend": "memory"}, "steps": [
+    connector = {"backend": "memory", "min_load_deadline_s": 20.0}  # a loaded, shared machine: no cut loads
+    res = run_engine(tmp_path, "dram", {"model": str(model), "connector": connector, "steps": [
         {"op": "generate", "prompts": [x]},
         {"op": "reset_prefix_cache"},
         {"op": "generate", "prompts": [x]}, {"op": "last_loads"},
@@ -34,7 +35,8 @@ def test_file_tier_serves_a_fresh_engine(tmp_path):
     """Stripes and the ticket log on disk outlive the engine that wrote them: a fresh engine process loads them."""
     model = build_model("gqa", "tiny")
     x = prompt_ids(model, 600)
-    connector = {"backend": "file", "file_dir": str(tmp_path / "kv"), "num_shards": 2, "chunk_tokens": 256}
+    connector = {"backend": "file", "file_dir": str(tmp_path / "kv"), "num_shards": 2, "chunk_tokens": 256,
+                 "min_load_deadline_s": 20.0}
     first = run_engine(tmp_path, "file-writer", {"model": str(model), "connector": connector, "steps": [
         {"op": "generate", "prompts": [x]}]})
     on_disk = sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*") if p.is_file() and "stripes" in p.parts)
@@ -76,7 +78,8 @@ def test_dram_in_front_of_valkey_loads_a_prompt_from_both_then_promotes_it(tmp_p
     filler = prompt_ids(model, 300, 40_000)
     connector = {"tiers": [{"type": "memory", "capacity_bytes": 1_100_000},
                            {"type": "valkey", "embedded_maxmemory_bytes": 64 << 20}],
-                 "num_shards": 2, "chunk_tokens": 256, "runtime_dir": str(tmp_path / "rt")}
+                 "num_shards": 2, "chunk_tokens": 256, "runtime_dir": str(tmp_path / "rt"),
+                 "min_load_deadline_s": 20.0}
     try:
         res = _run_dram_valkey(tmp_path, model, connector, x, a, a2, filler)
     finally:
