@@ -1,4 +1,4 @@
-"""``range-connector proxy``: the disaggregated-prefill proxy in front of prefill and decode engines.
+"""``range-connector proxy``: the proxy in front of prefill and decode engines, or of a fleet of ``kv_both`` ones.
 
 The proxy itself is :mod:`range_connector.serving.proxy` (it needs ``aiohttp``, imported when the handler runs: a
 missing one exits ``EXIT_FAILURE`` with the pip line); this module is the command's parser and handler. A bad
@@ -20,17 +20,24 @@ def add_commands(subparsers: argparse._SubParsersAction[Parser]) -> None:
     """Register ``proxy``."""
     proxy = subparsers.add_parser(
         "proxy",
-        help="disaggregated-prefill proxy: each request goes to a prefill engine (max_tokens=1), then to a decode "
-        "engine with the returned kv_transfer_params",
+        help="proxy in front of engines: disaggregated (each request goes to a prefill engine with max_tokens=1, "
+        "then to a decode engine with the returned kv_transfer_params) or a fleet of kv_both engines (--engine)",
     )
-    proxy.add_argument("--prefill", action="append", required=True, metavar="URL",
+    proxy.add_argument("--prefill", action="append", default=[], metavar="URL",
                        help="base URL of a prefill engine (kv_producer), e.g. http://10.0.0.1:8100; repeatable")
-    proxy.add_argument("--decode", action="append", required=True, metavar="URL",
+    proxy.add_argument("--decode", action="append", default=[], metavar="URL",
                        help="base URL of a decode engine (kv_consumer); repeatable")
+    proxy.add_argument("--engine", action="append", default=[], metavar="URL",
+                       help="base URL of a fleet engine (kv_both; instead of --prefill/--decode): each request goes "
+                       "whole to one of them; repeatable")
     proxy.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     proxy.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    proxy.add_argument("--policy", choices=["round_robin", "least_loaded"], default="round_robin",
-                       help="how a request picks among healthy engines of a kind (least_loaded: fewest in flight)")
+    proxy.add_argument("--policy", choices=["round_robin", "least_loaded", "prefix_aware"], default="round_robin",
+                       help="how a request picks among healthy engines of a kind (least_loaded: fewest in flight; "
+                       "prefix_aware: the engine it sent the longest prefix of the prompt to, else least loaded)")
+    proxy.add_argument("--prefix-imbalance-requests", type=int, default=4, metavar="N",
+                       help="prefix_aware: most requests in flight an engine with the prefix may have above the least "
+                       "loaded one and still be chosen (default: 4)")
     proxy.add_argument("--timeout-s", type=positive_float, default=300.0,
                        help="default of --prefill-timeout-s and --decode-timeout-s (default: 300)")
     proxy.add_argument("--prefill-timeout-s", type=positive_float, default=None,
@@ -61,6 +68,8 @@ def _proxy(args: argparse.Namespace) -> int:
         config = ProxyConfig(
             prefill_urls=tuple(args.prefill),
             decode_urls=tuple(args.decode),
+            engine_urls=tuple(args.engine),
+            prefix_imbalance_requests=args.prefix_imbalance_requests,
             host=args.host,
             port=args.port,
             policy=Policy(args.policy),

@@ -21,6 +21,8 @@ from typing import Any
 
 import aiohttp
 
+from range_connector.serving.prefix_routing import PrefixRecord
+
 __all__ = [
     "DESCRIBE_KEY",
     "RANGE_KEY",
@@ -46,10 +48,11 @@ DESCRIBE_KEY = "range_describe"
 
 
 class EngineKind(str, enum.Enum):
-    """Which phase an engine serves."""
+    """Which phase an engine serves (``engine``: both, a ``kv_both`` engine of a fleet)."""
 
     PREFILL = "prefill"
     DECODE = "decode"
+    ENGINE = "engine"
 
 
 class Policy(str, enum.Enum):
@@ -57,6 +60,9 @@ class Policy(str, enum.Enum):
 
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
+    PREFIX_AWARE = "prefix_aware"
+    """The engine the proxy sent the longest prefix of the prompt to, unless it has ``prefix_imbalance_requests``
+    more in flight than the least loaded; without a prefix, least loaded (see :mod:`.prefix_routing`)."""
 
 
 class _SettingsState(enum.Enum):
@@ -95,6 +101,8 @@ class Engine:
     said_no_settings: bool = False
     checked: bool = False  # whether a health check or a request has told anything yet
     probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    record: PrefixRecord = field(default_factory=PrefixRecord, repr=False)  # prefixes sent here (prefix_aware)
+    num_prefix_routed: int = 0  # requests sent here because it had a prefix of theirs
 
     def record_error(self, message: str) -> None:
         """Count one failure and remember its one-line description."""
@@ -112,6 +120,8 @@ class Engine:
             "num_errors": self.num_errors,
             "last_error": self.last_error,
             "settings": self.settings,
+            "num_prefix_routed": self.num_prefix_routed,
+            "num_recorded_blocks": len(self.record),
         }
 
 
@@ -165,34 +175,58 @@ class EnginePool:
     Args:
         prefill_urls: Base URLs of the prefill engines.
         decode_urls: Base URLs of the decode engines.
-        policy: Round robin, or fewest in flight first (ties broken round robin).
+        policy: Round robin, fewest in flight first (ties broken round robin), or prefix aware.
+        engine_urls: Base URLs of ``kv_both`` engines (a fleet: each request goes whole to one of them).
+        prefix_imbalance_requests: Prefix aware: the most requests in flight an engine with the prefix may have
+            above the least loaded engine and still be chosen.
     """
 
-    def __init__(self, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], policy: Policy) -> None:
+    def __init__(self, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], policy: Policy,
+                 engine_urls: tuple[str, ...] = (), prefix_imbalance_requests: int = 4) -> None:
         self.policy = policy
+        self.prefix_imbalance_requests = prefix_imbalance_requests
         self.engines: dict[EngineKind, list[Engine]] = {
-            EngineKind.PREFILL: [Engine(EngineKind.PREFILL, url.rstrip("/")) for url in prefill_urls],
-            EngineKind.DECODE: [Engine(EngineKind.DECODE, url.rstrip("/")) for url in decode_urls],
+            kind: [Engine(kind, url.rstrip("/")) for url in urls]
+            for kind, urls in ((EngineKind.PREFILL, prefill_urls), (EngineKind.DECODE, decode_urls),
+                               (EngineKind.ENGINE, engine_urls))
         }
         self._turns = {kind: itertools.count() for kind in EngineKind}
 
     def all_engines(self) -> list[Engine]:
-        """Every engine, prefill first."""
-        return [*self.engines[EngineKind.PREFILL], *self.engines[EngineKind.DECODE]]
+        """Every engine: prefill, decode, then fleet engines."""
+        return [engine for kind in EngineKind for engine in self.engines[kind]]
 
-    def ranked(self, kind: EngineKind) -> list[Engine]:
+    def ranked(self, kind: EngineKind, prefix_hashes: list[int] | None = None) -> list[Engine]:
         """The healthy engines of ``kind`` in the order a request should try them (empty when none is healthy).
 
-        Each call advances the round-robin turn, so consecutive requests start at consecutive engines.
+        Each call advances the round-robin turn, so consecutive requests start at consecutive engines. Under
+        :attr:`Policy.PREFIX_AWARE` the engine whose record matches most leading blocks of ``prefix_hashes`` comes
+        first, unless it has more than ``prefix_imbalance_requests`` requests in flight above the least loaded;
+        then (and without a match) the order is least loaded first. The caller records the prompt on the engine
+        that took it (:meth:`record_sent`).
         """
         healthy = [engine for engine in self.engines[kind] if engine.healthy]
         if not healthy:
             return []
         start = next(self._turns[kind]) % len(healthy)
         rotated = healthy[start:] + healthy[:start]
-        if self.policy is Policy.LEAST_LOADED:
-            rotated.sort(key=lambda engine: engine.num_in_flight)  # stable: ties stay in round-robin order
+        if self.policy is Policy.ROUND_ROBIN:
+            return rotated
+        rotated.sort(key=lambda engine: engine.num_in_flight)  # stable: ties stay in round-robin order
+        if self.policy is Policy.PREFIX_AWARE and prefix_hashes:
+            least_in_flight = rotated[0].num_in_flight
+            matched = [(engine.record.matched_blocks(prefix_hashes), engine) for engine in rotated]
+            best_blocks, best = max(matched, key=lambda pair: pair[0])  # max keeps the first of equals
+            if best_blocks and best.num_in_flight <= least_in_flight + self.prefix_imbalance_requests:
+                best.num_prefix_routed += 1
+                rotated.remove(best)
+                rotated.insert(0, best)
         return rotated
+
+    def record_sent(self, engine: Engine, prefix_hashes: list[int]) -> None:
+        """Remember that ``engine`` took a prompt (prefix aware only; a no-op under the other policies)."""
+        if self.policy is Policy.PREFIX_AWARE and prefix_hashes:
+            engine.record.add(prefix_hashes)
 
     def mark_down(self, engine: Engine, reason: str) -> None:
         """Stop sending requests to ``engine`` until a health check answers 200 again."""

@@ -1,4 +1,11 @@
-"""Disaggregated-prefill proxy: an OpenAI-compatible HTTP front for prefill engines and decode engines.
+"""The proxy: an OpenAI-compatible HTTP front for prefill and decode engines, or for a fleet of ``kv_both`` engines.
+
+**Fleet** (``engine_urls``): each request goes whole to one engine, chosen by the policy; with
+:attr:`Policy.PREFIX_AWARE` the engine the proxy sent the longest prefix of the prompt to, so that its own prefix
+cache serves it (:mod:`range_connector.serving.prefix_routing`); engines that share Range's tier load each other's
+prefixes either way. ``GET /health`` answers 503 when no fleet engine is healthy.
+
+**Disaggregated** (``prefill_urls`` and ``decode_urls``).
 
 For each ``POST /v1/completions`` or ``POST /v1/chat/completions`` the proxy
 
@@ -12,8 +19,10 @@ For each ``POST /v1/completions`` or ``POST /v1/chat/completions`` the proxy
    byte when ``stream = true``).
 
 Both calls carry one ``X-Request-Id`` and the client's ``Authorization`` header. Other endpoints: ``GET /health``
-(200 while at least one prefill and one decode engine are healthy, else 503), ``GET /v1/models`` (forwarded to a
-decode engine) and ``GET /proxy/status`` (JSON: engines, health, in-flight and error counts, outcome counts).
+(200 while at least one prefill and one decode engine are healthy and, as far as the describe probes tell, some
+healthy decode engine has the settings of some healthy prefill engine; else 503 with the reason),
+``GET /v1/models`` (forwarded to a decode engine) and ``GET /proxy/status`` (JSON: engines, health, in-flight and
+error counts, outcome counts).
 
 **Settings contract (checked before decode).** A Range producer's ``kv_transfer_params`` carry
 ``{"range": {"settings": {...}}}``: a flat dict of every setting producer and consumer must share (model,
@@ -51,14 +60,11 @@ import logging
 import signal
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from yarl import URL
 
-from range_connector.errors import ConfigError
 from range_connector.serving.engines import (
     Engine,
     EngineKind,
@@ -69,70 +75,15 @@ from range_connector.serving.engines import (
     settings_of,
 )
 from range_connector.serving.forwarding import Forwarder, Outcome, Reply, snippet
+from range_connector.serving.prefix_routing import prompt_prefix_hashes
+from range_connector.serving.proxy_config import DEFAULT_MAX_BODY_BYTES, ProxyConfig
 
-__all__ = ["Outcome", "Policy", "ProxyConfig", "ProxyServer", "serve_proxy"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "Outcome", "Policy", "ProxyConfig", "ProxyServer", "serve_proxy"]
 
 logger = logging.getLogger(__name__)
 
-#: the default cap on a client's request body (bytes); larger bodies are answered 413 before they are read whole
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 _KEEPALIVE_S = 3.0
 
-
-@dataclass(frozen=True, slots=True)
-class ProxyConfig:
-    """Settings of one proxy; checked on construction.
-
-    Attributes:
-        prefill_urls: Base URLs (``http://host:port``) of the prefill engines; at least one.
-        decode_urls: Base URLs of the decode engines; at least one.
-        host: Interface to listen on.
-        port: TCP port to listen on (0: any free port, see :attr:`ProxyServer.port`).
-        policy: Round robin or least loaded (fewest in flight).
-        prefill_timeout_s: Deadline of the whole prefill call (and of a describe probe), seconds.
-        decode_timeout_s: Longest silence of a decode engine (before its answer starts, between chunks), seconds.
-        connect_timeout_s: Deadline of one connection attempt, seconds.
-        health_interval_s: Seconds between two health checks of every engine.
-        health_timeout_s: Deadline of one health check, seconds.
-        max_body_bytes: Largest client request body, bytes (larger: 413, not read whole).
-
-    Raises:
-        ConfigError: A URL list is empty or holds a bad or repeated URL, a timeout is not positive, or the port is
-            out of range; the message starts with the field name.
-    """
-
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: Policy = Policy.ROUND_ROBIN
-    prefill_timeout_s: float = 300.0
-    decode_timeout_s: float = 300.0
-    connect_timeout_s: float = 5.0
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 2.0
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-
-    def __post_init__(self) -> None:
-        for key in ("prefill_urls", "decode_urls"):
-            urls = getattr(self, key)
-            if not urls:
-                raise ConfigError(key, "give at least one engine URL")
-            for url in urls:
-                parsed = URL(url) if isinstance(url, str) else None
-                if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-                    raise ConfigError(key, f"{url!r} is not an http://host:port URL")
-            if len({url.rstrip("/") for url in urls}) != len(urls):
-                raise ConfigError(key, f"an engine URL is given twice: {list(urls)}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError("port", f"{self.port} is not a TCP port (0-65535)")
-        for key in ("prefill_timeout_s", "decode_timeout_s", "connect_timeout_s", "health_interval_s",
-                    "health_timeout_s"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(key, f"{getattr(self, key)} is not a positive number of seconds")
-        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
-                or self.max_body_bytes < 1024:
-            raise ConfigError("max_body_bytes", f"{self.max_body_bytes!r} is not a number of bytes >= 1024")
 
 def _prefill_body(body: Mapping[str, Any], is_chat: bool,
                   expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -158,7 +109,8 @@ class ProxyServer:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.pool = EnginePool(config.prefill_urls, config.decode_urls, config.policy)
+        self.pool = EnginePool(config.prefill_urls, config.decode_urls, config.policy, config.engine_urls,
+                               config.prefix_imbalance_requests)
         self.outcomes: collections.Counter[Outcome] = collections.Counter()
         self._session: aiohttp.ClientSession | None = None
         self._forwarder: Forwarder | None = None
@@ -189,7 +141,8 @@ class ProxyServer:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
             limit=0, keepalive_timeout=_KEEPALIVE_S))
         self._forwarder = Forwarder(self._session, self.pool, self.outcomes, {
-            EngineKind.PREFILL: self.config.prefill_timeout_s, EngineKind.DECODE: self.config.decode_timeout_s})
+            EngineKind.PREFILL: self.config.prefill_timeout_s, EngineKind.DECODE: self.config.decode_timeout_s,
+            EngineKind.ENGINE: self.config.decode_timeout_s})
         await self.pool.check_health(self._session, self.config.health_timeout_s)
         self._health_task = asyncio.create_task(self.pool.run_health_checks(
             self._session, self.config.health_interval_s, self.config.health_timeout_s))
@@ -208,8 +161,9 @@ class ProxyServer:
             await self.stop()
             raise
         self.port = self._runner.addresses[0][1]
-        logger.info("proxy listening on %s: prefill %s, decode %s, policy %s", self.base_url,
-                    list(self.config.prefill_urls), list(self.config.decode_urls), self.config.policy.value)
+        engines = (f"fleet {list(self.config.engine_urls)}" if self.config.is_fleet else
+                   f"prefill {list(self.config.prefill_urls)}, decode {list(self.config.decode_urls)}")
+        logger.info("proxy listening on %s: %s, policy %s", self.base_url, engines, self.config.policy.value)
 
     async def stop(self) -> None:
         """Stop listening, stop the health checks, close the client session (in-flight requests are cut)."""
@@ -231,12 +185,40 @@ class ProxyServer:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "/v1/chat/completions", is_chat=True)
 
+    def _kinds(self) -> tuple[EngineKind, ...]:
+        return (EngineKind.ENGINE,) if self.config.is_fleet else (EngineKind.PREFILL, EngineKind.DECODE)
+
     async def _health(self, request: web.Request) -> web.Response:
-        missing = [kind.value for kind in EngineKind
+        missing = [kind.value for kind in self._kinds()
                    if not any(engine.healthy for engine in self.pool.engines[kind])]
         if missing:
             return Reply(Outcome.NO_ENGINE, 503, f"no healthy {' or '.join(missing)} engine").response()
+        if not self.config.is_fleet and (mismatch := await self._no_decode_matches()) is not None:
+            return Reply(Outcome.SETTINGS_MISMATCH, 503, mismatch).response()
         return web.json_response({"status": "ok"})
+
+    async def _no_decode_matches(self) -> str | None:
+        """Why no healthy decode engine can serve any healthy prefill engine, or ``None`` (one can, or unknown).
+
+        Engines not yet described are probed (once per up-period, without the client's credentials); an engine
+        that answers no Range settings, or whose probe fails, leaves the verdict unknown.
+        """
+        prefills = [engine for engine in self.pool.engines[EngineKind.PREFILL] if engine.healthy]
+        decodes = [engine for engine in self.pool.engines[EngineKind.DECODE] if engine.healthy]
+        await asyncio.gather(*(
+            self.pool.describe(self._forward.session, engine, model=None, headers={},
+                               timeout_s=self.config.health_timeout_s)
+            for engine in prefills + decodes), return_exceptions=True)
+        produced = [engine for engine in prefills if engine.settings]
+        if not produced or not all(engine.settings for engine in decodes):
+            return None
+        for prefill in produced:
+            for decode in decodes:
+                if not mismatched_settings(prefill.settings, decode.settings):
+                    return None
+        mismatches = mismatched_settings(produced[0].settings, decodes[0].settings)
+        return (f"no decode engine can serve the prefill engines: prefill engine {produced[0].url} and decode engine "
+                f"{decodes[0].url} have different Range settings: {_describe_mismatches(mismatches)}")
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response({
@@ -249,7 +231,8 @@ class ProxyServer:
     async def _models(self, request: web.Request) -> web.Response:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
         try:
-            call = self._forward.call(EngineKind.DECODE, self.pool.ranked(EngineKind.DECODE), "GET", "/v1/models",
+            kind = self._kinds()[-1]
+            call = self._forward.call(kind, self.pool.ranked(kind), "GET", "/v1/models",
                                       None, self._headers(request, None), timeout)
             async with call as (_, response):
                 data = await response.read()
@@ -270,13 +253,18 @@ class ProxyServer:
                 raise Reply(Outcome.BAD_REQUEST, 400, f"request body is not JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise Reply(Outcome.BAD_REQUEST, 400, "request body must be a JSON object")
+            headers = self._headers(request, request_id)
+            hashes = prompt_prefix_hashes(body) if self.config.policy is Policy.PREFIX_AWARE else []
+            if self.config.is_fleet:
+                return await self._decode(request, body, path, self.pool.ranked(EngineKind.ENGINE, hashes), headers,
+                                          hashes, EngineKind.ENGINE)
             if not any(engine.healthy for engine in self.pool.engines[EngineKind.DECODE]):
                 raise Reply(Outcome.NO_ENGINE, 503, "no healthy decode engine")  # do not prefill in vain
-            headers = self._headers(request, request_id)
-            params, prefill_engine = await self._prefill(body, path, is_chat, headers)
-            candidates = await self._decode_candidates(params, prefill_engine, body.get("model"), headers, request_id)
+            params, prefill_engine = await self._prefill(body, path, is_chat, headers, hashes)
+            candidates = await self._decode_candidates(params, prefill_engine, body.get("model"), headers, request_id,
+                                                       hashes)
             decode_body = {**body, "kv_transfer_params": params} if params is not None else body
-            return await self._decode(request, decode_body, path, candidates, headers)
+            return await self._decode(request, decode_body, path, candidates, headers, hashes)
         except Reply as reply:
             self.outcomes[reply.outcome] += 1
             if reply.status >= 500 or reply.status == 409:
@@ -297,12 +285,13 @@ class ProxyServer:
                 return engine.settings
         return None
 
-    async def _prefill(self, body: dict[str, Any], path: str, is_chat: bool,
-                       headers: dict[str, str]) -> tuple[dict[str, Any] | None, Engine]:
+    async def _prefill(self, body: dict[str, Any], path: str, is_chat: bool, headers: dict[str, str],
+                       hashes: list[int]) -> tuple[dict[str, Any] | None, Engine]:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
-        call = self._forward.call(EngineKind.PREFILL, self.pool.ranked(EngineKind.PREFILL), "POST", path,
+        call = self._forward.call(EngineKind.PREFILL, self.pool.ranked(EngineKind.PREFILL, hashes), "POST", path,
                                   _prefill_body(body, is_chat, self._known_decode_settings()), headers, timeout)
         async with call as (engine, response):
+            self.pool.record_sent(engine, hashes)
             data = await self._forward.read_answer(engine, response)
         try:
             doc = json.loads(data)
@@ -320,8 +309,8 @@ class ProxyServer:
         return params, engine
 
     async def _decode_candidates(self, params: dict[str, Any] | None, prefill_engine: Engine, model: Any,
-                                 headers: dict[str, str], request_id: str) -> list[Engine]:
-        candidates = self.pool.ranked(EngineKind.DECODE)
+                                 headers: dict[str, str], request_id: str, hashes: list[int]) -> list[Engine]:
+        candidates = self.pool.ranked(EngineKind.DECODE, hashes)
         producer = settings_of(params)
         if producer is None:
             if params is not None and not prefill_engine.said_no_settings:
@@ -358,11 +347,13 @@ class ProxyServer:
         return compatible
 
     async def _decode(self, request: web.Request, body: dict[str, Any], path: str, candidates: list[Engine],
-                      headers: dict[str, str]) -> web.StreamResponse:
+                      headers: dict[str, str], hashes: list[int],
+                      kind: EngineKind = EngineKind.DECODE) -> web.StreamResponse:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
                                         sock_read=self.config.decode_timeout_s)
-        call = self._forward.call(EngineKind.DECODE, candidates, "POST", path, body, headers, timeout)
+        call = self._forward.call(kind, candidates, "POST", path, body, headers, timeout)
         async with call as (engine, response):
+            self.pool.record_sent(engine, hashes)
             if not body.get("stream") or response.status >= 400:
                 data = await self._forward.read_answer(engine, response)
                 self.outcomes[Outcome.OK] += 1
