@@ -125,17 +125,17 @@ class ProxyProcess:
     """``range-connector proxy`` as a subprocess in its own process group, logging to ``log_path``.
 
     Args:
-        prefill_url: ``http://host:port`` of the prefill engine.
-        decode_url: ``http://host:port`` of the decode engine.
+        engine_args: The proxy's engine options, e.g. ``["--prefill", url, "--decode", url]`` or
+            ``["--engine", url, "--engine", url, "--policy", "prefix_aware"]``.
         log_path: File for the proxy's output.
     """
 
-    def __init__(self, prefill_url: str, decode_url: str, log_path: Path) -> None:
+    def __init__(self, engine_args: list[str], log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.command = [sys.executable, "-c", "import sys; from range_connector.cli import main; sys.exit(main())",
-                        "proxy", "--prefill", prefill_url, "--decode", decode_url, "--port", str(self.port),
+                        "proxy", *engine_args, "--port", str(self.port),
                         "--health-interval-s", "2", "--timeout-s", str(REQUEST_TIMEOUT_S)]
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -294,7 +294,8 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayReque
             _log(f"{name} engine starting on {server.base_url} (core {server.omp_threads_bind}, log {server.log_path})")
         for name, server in (("prefill", prefill), ("decode", decode)):
             _log(f"{name} engine ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
-        proxy = cleanup.enter_context(ProxyProcess(prefill.base_url, decode.base_url, run_dir / "proxy.log"))
+        proxy = cleanup.enter_context(ProxyProcess(["--prefill", prefill.base_url, "--decode", decode.base_url],
+                                                     run_dir / "proxy.log"))
         proxy.wait_ready(PROXY_TIMEOUT_S)
         _log(f"proxy ready on {proxy.url} (log {proxy.log_path})")
         report = _replay(proxy.url, requests, trace, "range-pd", [prefill.base_url, decode.base_url], prime)

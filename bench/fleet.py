@@ -1,0 +1,154 @@
+"""A fleet of two engines behind ``range-connector proxy``: round robin or prefix-aware, without or with Range.
+
+For each configuration in ``--configs`` (one at a time) this starts two vLLM engines (``kv_both``; core 0 and core
+1, vLLM's own prefix cache on, as users run them), ``range-connector proxy --engine A --engine B --policy P`` in
+front of them, replays one trace through the proxy at its arrival times, and stops everything:
+
+* ``rr-none``: round robin, no connector;
+* ``prefix-none``: prefix-aware routing, no connector (what users run today);
+* ``rr-range``: round robin, both engines with Range on the same Valkey shards (2, embedded);
+* ``prefix-range``: prefix-aware routing and Range.
+
+It prints one table (``bench/replay.py``'s) with the ratios against the first configuration, and the share of
+prompt tokens each engine loaded from the shared tier. With vLLM's prefix cache on, a tier hit is a prefix the
+engine's own cache no longer (or never) held: computed by the other engine, or by itself and evicted since; the
+second engine's share is reported per engine so that the split shows. It writes ``bench/results/fleet-<time>.json``
+and the replay's PNGs. Not run by ``make test``; about 2.5 minutes a configuration on a 2-core machine.
+
+Example::
+
+    .venv/bin/python bench/fleet.py                      # the synthetic trace (40 requests), the bench GQA model
+    .venv/bin/python bench/fleet.py --trace mooncake_conversation_trace.jsonl --count 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from range_connector.bench import demo  # noqa: E402
+from range_connector.testing.server_process import connector_config  # noqa: E402
+
+CONFIGS = ("rr-none", "prefix-none", "rr-range", "prefix-range")
+NUM_ENGINES = 2
+NUM_SHARDS = 2
+
+
+def run_fleet(config: str, model_dir: Path, run_dir: Path, requests: list, trace, prime: list[int],
+              kv_cache_gib: int):
+    """Valkey (for ``*-range``), two engines, the fleet proxy; replay through it; stop all. Returns the report."""
+    from range_connector.backends.valkey.servers import ensure_servers, server_status, stop_servers
+
+    policy, connector = config.split("-")
+    run_dir = run_dir / config
+    valkey_dir = run_dir / "valkey"
+    with demo._Cleanup() as cleanup:
+        kv_config = None
+        if connector == "range":
+            cleanup.callback(lambda: stop_servers(valkey_dir))
+            ensure_servers(NUM_SHARDS, valkey_dir)
+            kv_config = connector_config({"chunk_tokens": demo.CHUNK_TOKENS, "num_shards": NUM_SHARDS,
+                                          "runtime_dir": str(valkey_dir), "tiers": [{"type": "valkey"}]})
+        engines = [demo._engine(model_dir, run_dir, f"engine{idx}", str(idx), kv_cache_gib, kv_config)
+                   for idx in range(NUM_ENGINES)]
+        for server in engines:
+            cleanup.enter_context(server)
+        for server in engines:
+            demo._log(f"{config}: engine on {server.base_url} (core {server.omp_threads_bind}) ready after "
+                      f"{server.wait_ready(timeout_s=demo.STARTUP_TIMEOUT_S):.0f} s")
+        engine_args = [arg for server in engines for arg in ("--engine", server.base_url)]
+        engine_args += ["--policy", "prefix_aware" if policy == "prefix" else "round_robin"]
+        proxy = cleanup.enter_context(demo.ProxyProcess(engine_args, run_dir / "proxy.log"))
+        proxy.wait_ready(demo.PROXY_TIMEOUT_S)
+        report = demo._replay(proxy.url, requests, trace, config, [server.base_url for server in engines], prime)
+        import httpx
+
+        status = httpx.get(f"{proxy.url}/proxy/status", timeout=5.0).json()
+        report.options.update(
+            proxy_status=status, engines={server.base_url: server.command() for server in engines},
+            logs={"proxy": str(proxy.log_path), **{server.base_url: str(server.log_path) for server in engines}})
+        if connector == "range":
+            report.options["valkey"] = [{"shard": s.shard_idx, "used_memory_bytes": s.used_memory_bytes,
+                                         "num_keys": s.num_keys} for s in server_status(valkey_dir)]
+    return report
+
+
+def per_engine_lines(reports) -> list[str]:
+    """One line per configuration and engine: prompt tokens, and the shares from its own cache and from the tier."""
+    lines = []
+    for report in reports:
+        engine = report.engine
+        if engine is None:
+            continue
+        for url, counts in sorted(engine.per_engine.items()):
+            prompt = counts.get("prompt_tokens") or 0
+            local, external = counts.get("local_hit_tokens") or 0, counts.get("external_hit_tokens") or 0
+            share = (lambda n: f"{100 * n / prompt:.1f}%" if prompt else "-")
+            lines.append(f"  {report.label:13s} {url}: {prompt:.0f} prompt tokens, {share(local)} from its own prefix "
+                         f"cache, {share(external)} loaded from the shared tier")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, run in this order")
+    p.add_argument("--trace", default=None, help="Mooncake .jsonl or Azure .csv (default: the synthetic trace)")
+    p.add_argument("--count", type=int, default=None, help="requests (default: the demo's)")
+    p.add_argument("--token-scale", type=float, default=None, help="token-count factor (default: the demo's)")
+    p.add_argument("--duration-s", type=float, default=demo.TRACE_DURATION_S, help="--trace arrivals span this")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="each engine's KV cache, GiB (default 1)")
+    p.add_argument("--model-size", choices=("bench", "tiny"), default="bench")
+    p.add_argument("--work-dir", type=Path, default=Path(".cache") / "range-connector" / "fleet")
+    args = p.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if unknown := [c for c in configs if c not in CONFIGS]:
+        p.error(f"--configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})")
+    if args.kv_cache_gib < 1:
+        p.error("--kv-cache-gib: give at least 1")
+    results = REPO / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)  # an unwritable results folder fails before any engine starts
+
+    from range_connector.bench.replay import build_requests
+    from range_connector.bench.replay_report import format_comparison, write_json, write_plots
+    from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids
+    from range_connector.testing.tiny_models import build_model
+
+    load_start = os.getloadavg()
+    trace = demo.load_trace(args.trace, count=args.count, token_scale=args.token_scale, duration_s=args.duration_s)
+    for line in trace.describe_lines():
+        demo._log(line)
+    model_dir = build_model("gqa", args.model_size)
+    vocab = normal_vocab_token_ids(model_dir)
+    requests = build_requests(trace, PromptBuilder(vocab, seed=0))
+    prime = PromptBuilder(vocab, seed=demo.PRIME_SEED).block(0, 64).tolist()
+    run_dir = args.work_dir.resolve() / "run"
+    reports = [run_fleet(config, model_dir, run_dir, requests, trace, prime, args.kv_cache_gib) for config in configs]
+    out = results / f"fleet-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    write_json(out, reports, extra={"command": [sys.executable, *sys.argv], "model": str(model_dir),
+                                    "trace": trace.describe(), "kv_cache_gib_per_engine": args.kv_cache_gib,
+                                    "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start,
+                                                "loadavg_end": os.getloadavg()}})
+    pngs = write_plots(out.with_suffix(""), reports)
+    print()
+    print(format_comparison(reports))
+    print()
+    print("per engine:")
+    print("\n".join(per_engine_lines(reports)))
+    print(f"two kv_both engines (cores 0 and 1) behind range-connector proxy --engine ... --policy P; "
+          f"*-range: Range on {NUM_SHARDS} shared Valkey shards")
+    print(f"JSON: {out}")
+    for path in pngs:
+        print(f"PNG: {path}")
+    print(f"machine load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    return 0 if all(not r.summary["num_errors"] for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
