@@ -3,7 +3,8 @@
 The result files are made by the producers' own code, small: a replay JSON from a real
 :func:`~range_connector.bench.replay.run_replay` of a tiny synthetic trace against two stub OpenAI engines
 (``tests/unit/stub_engines.py``), written by :func:`~range_connector.bench.replay_report.write_json` with the
-``extra`` fields ``bench/replay.py`` adds; a granularity and a partition JSON whose rows have the fields the
+``extra`` fields of :func:`~range_connector.bench.run_info.run_extra`, as ``bench/replay.py`` and the demo write
+them; a granularity and a partition JSON whose rows have the fields the
 scripts' rows have, with ``analysis`` from the scripts' own ``analyse`` and the run context from
 ``bench/bench_common.py`` (``machine_info``, ``versions``, ``git_state``), assembled as their ``main`` does.
 
@@ -30,6 +31,7 @@ from PIL import Image  # noqa: E402  (a matplotlib dependency)
 
 from range_connector.bench.replay import build_requests, run_replay  # noqa: E402
 from range_connector.bench.replay_report import write_json  # noqa: E402
+from range_connector.bench.run_info import run_extra  # noqa: E402
 from range_connector.bench.synthetic_trace import synthetic_trace  # noqa: E402
 from range_connector.bench.trace_prompts import PromptBuilder  # noqa: E402
 from range_connector.bench.trace_transforms import prepare_trace  # noqa: E402
@@ -148,9 +150,8 @@ def replay_json(path: Path) -> Path:
             finally:
                 loop.run(engine.stop())
     assert all(r.summary["num_ok"] == len(requests) for r in reports), [r.summary["errors"] for r in reports]
-    extra = {"command": [sys.executable, "bench/replay.py", "--configs", "none,range"], "model": "stub",
-             "trace": trace.describe(), "machine": {"cpus": 2, "loadavg_start": [0.5, 0.4, 0.3],
-                                                    "loadavg_end": [0.6, 0.4, 0.3]}}
+    extra = run_extra([sys.executable, "bench/replay.py", "--configs", "none,range"], model="stub",
+                      trace=trace.describe(), loadavg_start=[0.5, 0.4, 0.3])  # as bench/replay.py calls it
     return write_json(path, reports, extra=extra)
 
 
@@ -218,7 +219,7 @@ def test_report_of_replay_granularity_and_partition(tmp_path: Path, bench_module
     for text in ("TTFT p50 (s)", "range/none", "restore time against object count", "S4-shared",
                  run_context["machine"]["cpu_model"], run_context["git"]["head"], "bench/partition.py --smoke"):
         assert text in page, text
-    assert page.count("not recorded in this file") == 1  # the replay JSON carries no commit
+    assert page.count(run_context["git"]["head"]) == 3 and "not recorded" not in page  # every file has its commit
 
 
 def test_the_command_writes_the_page_and_names_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
