@@ -242,3 +242,22 @@ def test_the_command_writes_the_page_and_names_a_bad_file(tmp_path: Path, capsys
     assert "missing.json: cannot read it" in capsys.readouterr().err
     assert cli_main(["report", str(good), "-o", str(tmp_path / "no-such-dir" / "page.html")]) == 2
     assert "--output" in capsys.readouterr().err
+
+
+def test_another_benchmark_gets_its_run_config_and_rows_without_a_plot(tmp_path: Path,
+                                                                       run_context: dict[str, Any]) -> None:
+    """``bench/threshold.py``, ``bench/soak.py`` and ``bench/partition_shaped.py`` write ``command``, ``machine``,
+    ``versions``, ``git``, ``config`` and ``rows`` (bench_common's fields) and get no plot of the report's."""
+    doc = {"format_version": 1, "command": "bench/threshold.py --smoke", **run_context,
+           "config": {"lengths": [256, 1024], "runs": 1},
+           "rows": [{"length_tokens": 256, "speed_factor": 0.5, "decision": "load", "ttft_s": 0.12},
+                    {"length_tokens": 1024, "speed_factor": 0.5, "decision": "recompute", "ttft_s": 0.31}],
+           "summary": {"regret_s": 0.01}}
+    path = tmp_path / "threshold.json"
+    path.write_text(json.dumps(doc))
+    assert load_result(path).kind == "benchmark"
+    out, num_plots = write_report([path], tmp_path / "page.html")
+    page = out.read_text()
+    assert num_plots == 0 and inline_pngs(page) == []
+    for text in ("speed_factor", "recompute", "regret_s", run_context["git"]["head"], "bench/threshold.py --smoke"):
+        assert text in page, text
