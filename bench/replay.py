@@ -68,6 +68,7 @@ if str(REPO) not in sys.path:
 
 from range_connector.bench.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
 from range_connector.bench.replay_report import format_comparison, write_json, write_plots  # noqa: E402
+from range_connector.bench.run_info import run_extra  # noqa: E402
 from range_connector.bench.synthetic_trace import synthetic_trace  # noqa: E402
 from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids  # noqa: E402
 from range_connector.bench.trace_transforms import prepare_trace  # noqa: E402
@@ -323,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{config}: {s['num_ok']}/{s['num_requests']} ok, TTFT p50 {s['ttft_s']['p50']} s")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else Path(args.results_dir) / f"replay-{stamp}.json"
-    extra = {"command": [sys.executable, *sys.argv], "model": str(model_dir), "trace": info,
-             "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()}}
+    extra = run_extra([sys.executable, *sys.argv], model=str(model_dir), trace=info, loadavg_start=load_start)
     write_json(out, reports, extra=extra)
     print()
     print(format_comparison(reports))

@@ -57,3 +57,11 @@ class TraceError(RangeError, ValueError):
     The message is one line naming the file, the line and the field, e.g.
     ``trace.jsonl:12: input_length: -5 is not a positive integer``.
     """
+
+
+class ResultFileError(RangeError, ValueError):
+    """A benchmark, replay or demo result file cannot be reported on: unreadable, not JSON, or not a shape that
+    ``range-connector report`` knows.
+
+    The message is one line that starts with the file, e.g. ``run.json: not JSON (line 3, column 1: ...)``.
+    """

@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from range_connector.backends.valkey.servers import stop_servers
         from range_connector.bench.replay_report import format_comparison, write_json, write_plots
+        from range_connector.bench.run_info import run_extra
         from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids
         from range_connector.errors import TraceError
         from range_connector.testing.tiny_models import build_model
@@ -385,11 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         none_report = run_baseline(model_dir, run_dir, requests, trace, prime)
         reports = [none_report, pd_report]
         out = demo_dir / "results" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        extra = {"command": [sys.executable, "-m", "range_connector.bench.demo", *(argv or sys.argv[1:])],
-                 "model": str(model_dir), "trace": info, "wall_s": time.monotonic() - _T0,
-                 "engine_settings": {"block_tokens": BLOCK_TOKENS, "chunk_tokens": CHUNK_TOKENS,
-                                     "num_shards": NUM_SHARDS, "max_model_len_tokens": MAX_MODEL_LEN_TOKENS},
-                 "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()}}
+        extra = run_extra([sys.executable, "-m", "range_connector.bench.demo", *(argv or sys.argv[1:])],
+                          model=str(model_dir), trace=info, loadavg_start=load_start, wall_s=time.monotonic() - _T0,
+                          engine_settings={"block_tokens": BLOCK_TOKENS, "chunk_tokens": CHUNK_TOKENS,
+                                           "num_shards": NUM_SHARDS, "max_model_len_tokens": MAX_MODEL_LEN_TOKENS})
         write_json(out, reports, extra=extra)
         pngs = write_plots(out.with_suffix(""), reports)
         print()

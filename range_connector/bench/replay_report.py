@@ -1,6 +1,7 @@
 """Side-by-side results of replays: a plain-text table with ratios to a baseline, JSON, and PNG plots.
 
-Used by ``bench/replay.py`` (several configurations in one run) and by the demo.
+Used by ``bench/replay.py`` (several configurations in one run), by the demo, and, from a result file's JSON
+(:func:`comparison_rows_of_docs`, :func:`ttft_figures`), by ``range-connector report``.
 """
 
 from __future__ import annotations
@@ -8,13 +9,18 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from range_connector.bench.replay import ReplayReport
 
-__all__ = ["check_cell", "comparison_rows", "format_comparison", "ratios", "same_outputs", "write_json", "write_plots"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["check_cell", "comparison_rows", "comparison_rows_of_docs", "format_comparison", "outputs_equal", "ratios",
+           "same_outputs", "ttft_figures", "write_json", "write_plots"]
 
 #: the row that says whether vLLM's external hits equal Range's loaded + failed tokens
 _CHECK_ROW = "  hits == loaded + failed"
@@ -91,16 +97,22 @@ def ratios(reports: Sequence[ReplayReport], baseline: str = "none") -> dict[str,
 def comparison_rows(reports: Sequence[ReplayReport], baseline: str = "none") -> list[list[str]]:
     """Table cells: a header row, then one row per metric: its value in each report, then ``label/baseline``
     ratios (``x`` suffix) for the timing and throughput rows."""
-    docs = [r.to_dict() for r in reports]
-    labels = [r.label for r in reports]
+    return comparison_rows_of_docs([r.to_dict() for r in reports], outputs_equal(reports, baseline), baseline)
+
+
+def comparison_rows_of_docs(docs: Sequence[dict[str, Any]], equal: dict[str, dict[str, Any]],
+                            baseline: str = "none") -> list[list[str]]:
+    """:func:`comparison_rows` from the JSON form: ``docs`` are :meth:`ReplayReport.to_dict` results (a result
+    file's ``reports``) and ``equal`` is :func:`outputs_equal` (its ``outputs_equal_to_<baseline>``)."""
+    labels = [doc["label"] for doc in docs]
     base_idx = labels.index(baseline) if baseline in labels else None
     others = [i for i in range(len(labels)) if i != base_idx] if base_idx is not None else []
     header = ["metric", *labels, *(f"{labels[i]}/{baseline}" for i in others)]
     rows = [header]
     if base_idx is not None:
-        same = [same_outputs(r, reports[base_idx]) for r in reports]
+        same = [(equal.get(label, {}).get("equal", 0), equal.get(label, {}).get("compared", 0)) for label in labels]
         rows.append([f"outputs equal to {baseline}", *(f"{a} / {b}" for a, b in same), *([""] * len(others))])
-        parted = [sorted(output_divergences(r, reports[base_idx]).values()) for r in reports]
+        parted = [sorted((equal.get(label, {}).get("first_differing_token") or {}).values()) for label in labels]
         if any(parted):
             rows.append(["  differ from output token #", *(",".join(map(str, p[:8])) + ("..." if len(p) > 8 else "")
                                                             if p else "-" for p in parted), *([""] * len(others))])
@@ -160,6 +172,17 @@ def output_divergences(report: ReplayReport, baseline: ReplayReport) -> dict[int
     return out
 
 
+def outputs_equal(reports: Sequence[ReplayReport], baseline: str = "none") -> dict[str, dict[str, Any]]:
+    """``{label: {"equal": n, "compared": n, "first_differing_token": {"<trace index>": position}}}`` against the
+    report labelled ``baseline`` (:func:`same_outputs`, :func:`output_divergences`); empty without one."""
+    base = next((r for r in reports if r.label == baseline), None)
+    if base is None:
+        return {}
+    return {r.label: {**dict(zip(("equal", "compared"), same_outputs(r, base))),
+                      "first_differing_token": {str(i): p for i, p in output_divergences(r, base).items()}}
+            for r in reports}
+
+
 def format_comparison(reports: Sequence[ReplayReport], baseline: str = "none") -> str:
     """The table of :func:`comparison_rows` as aligned plain text."""
     rows = comparison_rows(reports, baseline)
@@ -175,40 +198,33 @@ def write_json(path: str | os.PathLike[str], reports: Sequence[ReplayReport], *,
     """Write ``{"reports": [...], "ratios_vs_<baseline>": ..., **extra}`` as JSON; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    base = next((r for r in reports if r.label == baseline), None)
-    equal = {r.label: {**dict(zip(("equal", "compared"), same_outputs(r, base))),
-                       "first_differing_token": {str(i): p for i, p in output_divergences(r, base).items()}}
-             for r in reports} if base else {}
     doc = {**(extra or {}), "baseline": baseline, f"ratios_vs_{baseline}": ratios(reports, baseline),
-           f"outputs_equal_to_{baseline}": equal, "reports": [r.to_dict() for r in reports]}
+           f"outputs_equal_to_{baseline}": outputs_equal(reports, baseline), "reports": [r.to_dict() for r in reports]}
     path.write_text(json.dumps(doc, indent=1, default=str))
     return path
 
 
-def write_plots(prefix: str | os.PathLike[str], reports: Sequence[ReplayReport]) -> list[Path]:
-    """Write ``<prefix>-ttft-cdf.png`` (client TTFT CDF, one line per report) and ``<prefix>-ttft-over-time.png``
-    (TTFT of each request against its send time, one series per report); matplotlib, Agg backend.
+def ttft_figures(series: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list[tuple[str, Figure]]:
+    """The two TTFT plots of replays, as matplotlib figures (no pyplot state, so any backend and thread will do).
+
+    Args:
+        series: ``(label, results)`` per configuration; ``results`` are :class:`RequestResult` fields as a mapping
+            (a result file's ``reports[i]["results"]``): ``ttft_s``, ``sent_s`` and ``e2e_s`` in seconds, ``error``.
 
     Returns:
-        The two paths.
+        ``[("ttft-cdf", client TTFT CDF, one line per label), ("ttft-over-time", TTFT of each request against its
+        send time, failed requests as red crosses at their time to failure)]``.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
     import numpy as np
+    from matplotlib.figure import Figure
 
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    cdf_path = prefix.with_name(prefix.name + "-ttft-cdf.png")
-    time_path = prefix.with_name(prefix.name + "-ttft-over-time.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for report in reports:
-        ttfts = np.sort([r.ttft_s for r in report.results if r.error is None and r.ttft_s is not None])
+    cdf = Figure(figsize=(7, 4.5))
+    ax = cdf.subplots()
+    for label, results in series:
+        ttfts = np.sort([r["ttft_s"] for r in results if r.get("error") is None and r.get("ttft_s") is not None])
         if len(ttfts):
-            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=report.label)
+            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=label)
     ax.set_xscale("log")
     ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
@@ -218,25 +234,38 @@ def write_plots(prefix: str | os.PathLike[str], reports: Sequence[ReplayReport])
     ax.set_title("TTFT CDF")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(cdf_path, dpi=120)
-    plt.close(fig)
+    cdf.tight_layout()
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for report in reports:
-        ok = [r for r in report.results if r.error is None and r.ttft_s is not None and r.sent_s is not None]
-        ax.plot([r.sent_s for r in ok], [r.ttft_s for r in ok], marker="o", markersize=3, linewidth=0.8,
-                label=report.label)
-        failed = [r for r in report.results if r.error is not None and r.sent_s is not None]
+    over_time = Figure(figsize=(8, 4.5))
+    ax = over_time.subplots()
+    for label, results in series:
+        ok = [r for r in results if r.get("error") is None and r.get("ttft_s") is not None
+              and r.get("sent_s") is not None]
+        ax.plot([r["sent_s"] for r in ok], [r["ttft_s"] for r in ok], marker="o", markersize=3, linewidth=0.8,
+                label=label)
+        failed = [r for r in results if r.get("error") is not None and r.get("sent_s") is not None]
         if failed:
-            ax.scatter([r.sent_s for r in failed], [r.e2e_s or 0.0 for r in failed], marker="x", color="red",
-                       label=f"{report.label}: failed")
+            ax.scatter([r["sent_s"] for r in failed], [r.get("e2e_s") or 0.0 for r in failed], marker="x",
+                       color="red", label=f"{label}: failed")
     ax.set_xlabel("send time (s from the start of the measured phase)")
     ax.set_ylabel("time to first token (s, client)")
     ax.set_title("TTFT over time")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(time_path, dpi=120)
-    plt.close(fig)
-    return [cdf_path, time_path]
+    over_time.tight_layout()
+    return [("ttft-cdf", cdf), ("ttft-over-time", over_time)]
+
+
+def write_plots(prefix: str | os.PathLike[str], reports: Sequence[ReplayReport]) -> list[Path]:
+    """Write ``<prefix>-ttft-cdf.png`` and ``<prefix>-ttft-over-time.png`` (:func:`ttft_figures`), 120 dpi.
+
+    Returns:
+        The two paths.
+    """
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in ttft_figures([(r.label, [asdict(x) for x in r.results]) for r in reports]):
+        paths.append(prefix.with_name(f"{prefix.name}-{name}.png"))
+        fig.savefig(paths[-1], dpi=120)
+    return paths

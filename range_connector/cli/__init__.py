@@ -11,7 +11,8 @@ topic (``doctor``), write its module and append its ``add_commands`` to :data:`_
   (:mod:`~range_connector.cli.patch` applies it);
 * :mod:`~range_connector.cli.calibrate_command`: ``calibrate`` (:mod:`~range_connector.cli.calibrate` measures);
 * :mod:`~range_connector.cli.proxy_command`: ``proxy``, the disaggregated-prefill proxy;
-* :mod:`~range_connector.cli.cache_command`: ``cache stats|clear|lookup``, the cache's contents (no engine needed).
+* :mod:`~range_connector.cli.cache_command`: ``cache stats|clear|lookup``, the cache's contents (no engine needed);
+* :mod:`~range_connector.cli.report_command`: ``report``, one HTML page from benchmark, replay and demo result files.
 
 Exit codes: 0 success, 1 a backend/runtime failure, 2 bad input (one line on stderr, no usage dump); ``patch check``
 also exits 3 when the patch is not applied (and 2 when the vLLM file is not the pinned one); ``valkey status`` exits 4
@@ -31,6 +32,7 @@ Examples::
     range-connector cache stats --config range.json
     range-connector cache clear --config range.json --deployment old --yes
     range-connector cache lookup --config range.json --model /path/to/model --prompt-file prompt.txt
+    range-connector report bench/results/replay-20261203-070733.json -o report.html
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from range_connector.cli import cache_command, calibrate_command, patch_command, proxy_command, valkey_command
+from range_connector.cli import (
+    cache_command,
+    calibrate_command,
+    patch_command,
+    proxy_command,
+    report_command,
+    valkey_command,
+)
 from range_connector.cli.common import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput, Parser
 from range_connector.errors import ConfigError, PatchMismatchError, RangeError
 
@@ -53,6 +62,7 @@ _COMMAND_GROUPS: tuple[Callable[[argparse._SubParsersAction[Parser]], None], ...
     calibrate_command.add_commands,
     proxy_command.add_commands,
     cache_command.add_commands,
+    report_command.add_commands,
 )
 """Registrars of the command topics, in the order ``--help`` lists them."""
 

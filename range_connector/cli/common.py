@@ -1,8 +1,8 @@
 """What every ``range-connector`` sub-command shares: exit codes, the parser class, argument types, tables.
 
 Each sub-command module (``valkey_command``, ``patch_command``, ``calibrate_command``, ``proxy_command``,
-``cache_command``) registers its parsers with an ``add_commands(subparsers)`` function whose ``subparsers`` make
-:class:`Parser` instances, and each leaf command sets ``handler`` (a function taking the parsed
+``cache_command``, ``report_command``) registers its parsers with an ``add_commands(subparsers)`` function whose
+``subparsers`` make :class:`Parser` instances, and each leaf command sets ``handler`` (a function taking the parsed
 ``argparse.Namespace`` and returning one of the exit codes here) with ``parser.set_defaults(handler=...)``. At
 module level the sub-command modules import only this module, ``range_connector.errors`` and the standard library;
 each handler imports what it needs when it runs, so building the whole parser (``--help``) stays cheap.

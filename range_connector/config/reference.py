@@ -28,6 +28,8 @@ its failed start-up, about half a minute after the start: search the log for `Co
 
 This file is generated from the declarations in `range_connector/config/keys.py`
 (`python -m range_connector.config.reference > docs/configuration.md`); a test fails when they differ.
+LMCache's and vLLM's offloading settings next to these, with what differs in meaning (per worker or total, bytes or
+GiB, tokens or blocks): [settings-compared.md](settings-compared.md).
 
 ```json
 {"kv_connector": "RangeConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
