@@ -4,18 +4,22 @@ The checks are :mod:`range_connector.ops.doctor` (imported when the handler runs
 parser and handler. It prints one row per check (``CHECK STATUS DETAIL``) or, with ``--json``, one JSON object
 (:func:`~range_connector.ops.doctor.results_json`), and exits ``EXIT_OK`` only when no check failed, else
 ``EXIT_FAILURE`` with the first failure's row repeated as one line on stderr. Bad arguments (an unreadable
-``--config``, a ``--model`` without ``config.json``) exit ``EXIT_BAD_INPUT`` before any check runs.
+``--config``, a ``--model`` without ``config.json`` or whose heads ``--tensor-parallel-size`` does not divide, a
+``--vllm-dir`` that is not a package directory) exit ``EXIT_BAD_INPUT`` naming the option before any check runs.
+vLLM's log lines (it logs to stdout from its first import on) go to stderr, so stdout is the table or the JSON alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from range_connector.cli.common import EXIT_FAILURE, EXIT_OK, Parser, positive_int, positive_ints, print_table
+from range_connector.errors import ConfigError
 
 if TYPE_CHECKING:
     from range_connector.ops.doctor import InstallFacts
@@ -63,13 +67,21 @@ def _doctor(args: argparse.Namespace) -> int:
         run_doctor,
     )
 
-    extra = load_config_file(args.config)  # (ConfigError: exit 2, before anything runs)
-    if args.model is not None:  # (the same: a model directory that cannot be read is bad input)
+    # every argument is checked before any check runs (ConfigError naming the option: exit 2)
+    extra = load_config_file(args.config)
+    if args.model is not None:  # (a model directory that cannot be read is bad input)
         model_view_from_config_json(args.model, args.tensor_parallel_size, args.block_size)
+    if args.vllm_dir is not None and not (args.vllm_dir / "__init__.py").is_file():
+        raise ConfigError("--vllm-dir", f"{args.vllm_dir} is not a Python package directory (no __init__.py); give "
+                                        "vLLM's package directory, the one holding vllm/__init__.py")
     opts = DoctorOptions(extra_config=extra, model=args.model, tensor_parallel_size=args.tensor_parallel_size,
-                         block_size=args.block_size, install=install_facts(args.vllm_dir), probe_bytes=args.probe_mib << 20,
+                         block_size=args.block_size, install=install_facts(args.vllm_dir),
+                         probe_bytes=args.probe_mib << 20,
                          gate_prompt_tokens=args.prompt_tokens or DEFAULT_GATE_PROMPT_TOKENS)
-    results = run_doctor(opts)
+    # vLLM logs to stdout from its first import on (the namespace check resolves its config): its lines go to
+    # stderr, so that stdout is the table or the JSON alone
+    with contextlib.redirect_stdout(sys.stderr):
+        results = run_doctor(opts)
     if args.json:
         print(json.dumps(results_json(results), indent=2))
     else:

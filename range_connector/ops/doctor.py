@@ -1,12 +1,14 @@
 """``range-connector doctor``: check an installation and a config without starting an engine.
 
 :func:`run_doctor` runs every check and returns one :class:`CheckResult` per row of the table: the installed vLLM
-and the engine patch (:class:`InstallFacts`, which the command reads with ``range-connector patch``'s code; needed only for MLA models on platforms whose attention
-takes the direct-call branch), the config itself, each tier (:mod:`range_connector.ops.doctor_tiers`: reachable
-with its credentials and TLS, latency, a short bandwidth probe under a throw-away deployment that is removed
-afterwards, server limits, disk space and ``O_DIRECT`` for files, the data stored under the config's deployment),
-the model's KV layout and namespace (``--model``), and what the cost gate (:mod:`range_connector.cost`) would
-decide for a few prompt lengths on each tier with the calibration's ``B`` and ``T0`` (or the gate's defaults).
+and the engine patch (:class:`InstallFacts`, which the command reads with ``range-connector patch``'s code; needed
+only for MLA models on platforms whose attention takes the direct-call branch), the config itself, each tier
+(:mod:`range_connector.ops.doctor_tiers`: reachable with its credentials and TLS, latency, a short bandwidth probe
+under a throw-away deployment that is removed afterwards, server limits, disk space and ``O_DIRECT`` for files, the
+data stored under the config's deployment), the model's KV layout and the namespace an engine would compute for it
+(``--model``; :func:`~range_connector.ops.offline_spec.offline_namespace`, the engine's own resolution), and what
+the cost gate (:mod:`range_connector.cost`) would decide for a few prompt lengths on each tier with the
+calibration's ``B`` and ``T0`` (or the gate's defaults).
 
 A row is ``ok``, ``warn`` (usable, but worth reading) or ``fail`` (an engine with this config would fail or serve no
 hits); :func:`is_usable` is True when no row fails. Nothing here starts an engine or a server: embedded Valkey
@@ -133,9 +135,6 @@ def run_doctor(opts: DoctorOptions) -> list[CheckResult]:
     if opts.model is not None:
         try:
             view = model_view_from_config_json(opts.model, opts.tensor_parallel_size, opts.block_size)
-            model_row = CheckResult("model", Status.OK, _describe_view(view, opts.tensor_parallel_size), {
-                "num_layers": view.num_layers, "block_size": view.block_size,
-                "layer_block_bytes": view.layer_block_bytes, "is_mla": view.is_mla})
         except ConfigError as exc:
             model_row = CheckResult("model", Status.FAIL, str(exc))
     results.append(check_patch(opts.install, None if view is None else view.is_mla))
@@ -144,14 +143,52 @@ def run_doctor(opts: DoctorOptions) -> list[CheckResult]:
     except ConfigError as exc:
         return [*results, CheckResult("config", Status.FAIL, str(exc))]
     results.append(CheckResult("config", Status.OK, _describe_config(config)))
+    namespace_row = None
+    if view is not None:
+        view, namespace_row = check_namespace(opts, view)
+        model_row = CheckResult("model", Status.OK, _describe_view(view, opts.tensor_parallel_size), {
+            "num_layers": view.num_layers, "block_size": view.block_size,
+            "layer_block_bytes": view.layer_block_bytes, "is_mla": view.is_mla})
     if model_row is not None:
         results.append(model_row)
     tiers = [check_tier(config.for_tier(i), view, opts.probe_bytes) for i in range(len(config.tiers))]
     for tier in tiers:
         results.extend(tier.results)
+    if namespace_row is not None:
+        results.append(namespace_row)
     results.append(check_stored_data(config, view, tiers))
     results.append(check_gate(config, view, opts.gate_prompt_tokens))
     return results
+
+
+def check_namespace(opts: DoctorOptions, view: ModelView) -> tuple[ModelView, CheckResult]:
+    """The namespace an engine of ``opts.model`` with this config would compute, by the engine's own resolution
+    without starting one (:func:`~range_connector.ops.offline_spec.offline_namespace`: vLLM's config and platform
+    rules, the KV-cache group, the CPU instruction-set packing).
+
+    Args:
+        opts: the model, config, tensor-parallel size and block size.
+        view: the geometry read from ``config.json`` (kept when vLLM cannot resolve the model).
+
+    Returns:
+        ``(view, row)``: the view as the engine would register it (block size, page bytes, heads) with its
+        namespace, or ``view`` unchanged and a failed row naming why vLLM refused.
+    """
+    from range_connector.ops.offline_spec import offline_namespace
+
+    try:
+        spec = offline_namespace(opts.model or view.model, opts.extra_config,
+                                 tensor_parallel_size=opts.tensor_parallel_size, block_size=opts.block_size)
+    except (ConfigError, ValueError, OSError, RuntimeError, ImportError) as exc:  # (vLLM's refusals: a row)
+        return view, CheckResult("namespace", Status.FAIL, f"an engine could not resolve this model and config: "
+                                                           f"{exc}")
+    group = spec.group
+    view = ModelView(view.model, group.is_mla, spec.num_layers, group.block_size, spec.ranks.total_heads,
+                     group.page_size_bytes, int(spec.fields["kv_spec"]["head_page_size_bytes"]), spec.namespace_hex)
+    detail = (f"{spec.namespace_hex} (packing {spec.fields['packing']}, block {spec.fields['block_size']}, chunk "
+              f"{spec.chunk_tokens} tokens, {spec.fields['num_shards']} shard(s))")
+    return view, CheckResult("namespace", Status.OK, detail, {"namespace": spec.namespace_hex,
+                                                              "fields": spec.fields})
 
 
 def check_tier(config: RangeConfig, view: ModelView | None, probe_bytes: int) -> TierCheck:

@@ -2,7 +2,7 @@
 session's, a dedicated one that may be reconfigured, the password-protected one of ``tests/backends/conftest.py``),
 real files, and a full tmpfs where one can be mounted.
 
-Each failure the doctor must name is a test of its own: the exit status is 1 and stderr is one line naming the
+Each failure the doctor must name is a test of its own: the exit status is 1 and stderr has one line naming the
 check and the cause. Latency and bandwidth are reported, never compared with a threshold.
 """
 
@@ -44,9 +44,13 @@ def _write_config(tmp_path: Path, extra: dict) -> Path:
 
 
 def _doctor(capsys: pytest.CaptureFixture[str], config: Path, *args: str) -> tuple[int, str, str]:
+    """Run the command; ``err`` is its own message (vLLM's log lines, also on stderr, are left out), at most one
+    line."""
     rc = main(["doctor", "--config", str(config), "--probe-mib", "1", *args])
     out, err = capsys.readouterr()
-    return rc, out, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) <= 1, err
+    return rc, out, "".join(f"{line}\n" for line in errors)
 
 
 def _rows(out: str) -> dict[str, tuple[str, str]]:
@@ -136,7 +140,7 @@ def test_an_unreachable_shard_is_named(valkey_servers, tmp_path: Path, capsys) -
     dead = f"valkey://127.0.0.1:{_closed_port()}"
     extra = {"num_shards": 2, "tiers": [{"type": "valkey", "servers": [valkey_servers.urls[0], dead]}]}
     rc, out, err = _doctor(capsys, _write_config(tmp_path, extra))
-    assert rc == 1 and err.count("\n") == 1, err
+    assert rc == 1, err
     assert err.startswith(f"error: tiers[0] shard 1: tiers[0].servers: {dead}: Valkey server does not answer"), err
     assert _rows(out)["tiers[0] shard 0"][0] == "ok"
 
@@ -147,7 +151,7 @@ def test_a_wrong_password_is_named(auth_valkey_url: str, tmp_path: Path, capsys,
     extra = {"tiers": [{"type": "valkey", "servers": [f"valkey://{host_port}"],
                         "security": {"password_env": "DOCTOR_TEST_PASSWORD"}}]}
     rc, _, err = _doctor(capsys, _write_config(tmp_path, extra))
-    assert rc == 1 and err.count("\n") == 1, err
+    assert rc == 1, err
     assert err.startswith(f"error: tiers[0] shard 0: tiers[0].servers: valkey://{host_port}: the server refused the "
                           "credentials"), err
     assert "not-the-password" not in err
@@ -177,14 +181,13 @@ def test_a_bulk_limit_below_one_block_row_is_named(dedicated_valkey, tmp_path: P
     assert err.startswith(f"error: tiers[0] shard 0 limits: {url}: proto-max-bulk-len 1048576 bytes is below one "
                           "block row (2097152 bytes + 1024 of the command): no stripe fits; raise it to at least "
                           "2098176"), err
-    assert err.count("\n") == 1
 
 
 def test_a_namespace_without_stored_data_is_named(valkey_servers, gqa_model: str, tmp_path: Path, capsys) -> None:
     url, deployment = valkey_servers.urls[0], _deployment()
     extra = {"deployment": deployment, "tiers": [{"type": "valkey", "servers": [url], "capacity_bytes": 64 << 20}]}
     rc, _, err = _doctor(capsys, _write_config(tmp_path, extra), "--model", gqa_model)
-    assert rc == 1 and err.count("\n") == 1, err
+    assert rc == 1, err
     assert err.startswith(f"error: stored data ({deployment}): no stored data for this model under deployment "
                           f"'{deployment}': tiers[0] valkey: 0 ticket keys"), err
 
@@ -205,7 +208,7 @@ def test_a_file_tier_on_a_full_tmpfs_is_named(small_tmpfs: Path, tmp_path: Path,
     fill_up(small_tmpfs / "filler")
     extra = {"tiers": [{"type": "file", "directory": str(small_tmpfs / "files")}]}
     rc, _, err = _doctor(capsys, _write_config(tmp_path, extra))
-    assert rc == 1 and err.count("\n") == 1, err
+    assert rc == 1, err
     assert err.startswith(f"error: tiers[0] file: tiers[0].directory: the file system under {small_tmpfs} is full "
                           "("), err
 
