@@ -135,7 +135,8 @@ def test_bad_arguments_exit_2_in_one_line_before_any_check(make, key: str, tmp_p
     rc = main(["doctor", *make(tmp_path)])
     out, err = capsys.readouterr()
     assert (rc, out) == (2, ""), err
-    assert err.startswith(f"error: {key if key != 'doctor' else 'range-connector doctor'}: ") and err.count("\n") == 1
+    assert err.startswith(f"error: {key if key != 'doctor' else 'range-connector doctor'}: "), err
+    assert err.count("\n") == 1, err
 
 
 def test_a_bad_key_in_the_config_is_a_failed_row(tmp_path: Path, capsys) -> None:
