@@ -135,6 +135,18 @@ def offline_vllm_config(model: str, **engine_args: Any) -> VllmConfig:
         raise ConfigError("model", f"vLLM cannot build an engine config for {model}: {str(exc)[:400]}") from exc
 
 
+def engine_dtype_choices() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(kv_cache_dtypes, model_dtypes)``: the values vLLM's ``--kv-cache-dtype`` and ``--dtype`` take (the
+    ``CacheDType`` and ``ModelDType`` literals of ``vllm/config/cache.py`` and ``vllm/config/model.py``), for
+    commands that check them before they resolve a config. Imports vLLM."""
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+    from vllm.config.model import ModelDType
+
+    return tuple(get_args(CacheDType)), tuple(get_args(ModelDType))
+
+
 def offline_attention_group(vllm_config: VllmConfig) -> AttentionGroup:
     """The KV-cache group an engine built from ``vllm_config`` registers, derived without loading the model: the spec
     its attention layers build (vLLM 0.32 ``Attention.get_kv_cache_spec``, model_executor/layers/attention/

@@ -4,7 +4,7 @@ Subcommands are grouped by topic, one module each; each topic is registered by i
 ``add_commands(subparsers)``, listed in :data:`_COMMAND_GROUPS`, and each leaf command sets ``handler`` (a function
 taking the parsed ``argparse.Namespace`` and returning an exit code) with ``parser.set_defaults(handler=...)``
 (:mod:`range_connector.cli.common` has the exit codes, the parser class and the argument types they share). To add a
-topic (``doctor``), write its module and append its ``add_commands`` to :data:`_COMMAND_GROUPS`.
+topic, write its module and append its ``add_commands`` to :data:`_COMMAND_GROUPS`.
 
 * :mod:`~range_connector.cli.valkey_command`: ``valkey start|status|stop``, the embedded Valkey servers;
 * :mod:`~range_connector.cli.patch_command`: ``patch check|apply|revert``, the engine patch
@@ -12,7 +12,9 @@ topic (``doctor``), write its module and append its ``add_commands`` to :data:`_
 * :mod:`~range_connector.cli.calibrate_command`: ``calibrate`` (:mod:`~range_connector.cli.calibrate` measures);
 * :mod:`~range_connector.cli.proxy_command`: ``proxy``, the disaggregated-prefill proxy;
 * :mod:`~range_connector.cli.cache_command`: ``cache stats|clear|lookup``, the cache's contents (no engine needed);
-* :mod:`~range_connector.cli.report_command`: ``report``, one HTML page from benchmark, replay and demo result files.
+* :mod:`~range_connector.cli.report_command`: ``report``, one HTML page from benchmark, replay and demo result files;
+* :mod:`~range_connector.cli.doctor_command`: ``doctor``, checks of an installation and a config
+  (:mod:`range_connector.ops.doctor` checks).
 
 Exit codes: 0 success, 1 a backend/runtime failure, 2 bad input (one line on stderr, no usage dump); ``patch check``
 also exits 3 when the patch is not applied (and 2 when the vLLM file is not the pinned one); ``valkey status`` exits 4
@@ -33,6 +35,7 @@ Examples::
     range-connector cache clear --config range.json --deployment old --yes
     range-connector cache lookup --config range.json --model /path/to/model --prompt-file prompt.txt
     range-connector report bench/results/replay-20261203-070733.json -o report.html
+    range-connector doctor --config extra-config.json --model /path/to/model
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from collections.abc import Callable, Sequence
 from range_connector.cli import (
     cache_command,
     calibrate_command,
+    doctor_command,
     patch_command,
     proxy_command,
     report_command,
@@ -63,6 +67,7 @@ _COMMAND_GROUPS: tuple[Callable[[argparse._SubParsersAction[Parser]], None], ...
     proxy_command.add_commands,
     cache_command.add_commands,
     report_command.add_commands,
+    doctor_command.add_commands,
 )
 """Registrars of the command topics, in the order ``--help`` lists them."""
 

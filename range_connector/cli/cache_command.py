@@ -232,8 +232,17 @@ def _lookup(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise ConfigError("--model", f"{args.model} is not a directory (a local model directory is needed)")
     prompt = _prompt_ids(args)
+    if not (Path(args.model) / "config.json").is_file():
+        raise ConfigError("--model", f"{args.model} holds no config.json (a local Hugging Face model directory is "
+                                     "needed)")
     # vLLM logs to stdout from its first import on: its lines go to stderr here, so that stdout is the answer alone
     with contextlib.redirect_stdout(sys.stderr):
+        from range_connector.compat import engine_dtype_choices
+
+        for option, value, choices in zip(("--kv-cache-dtype", "--dtype"), (args.kv_cache_dtype, args.dtype),
+                                          engine_dtype_choices()):
+            if value not in choices:
+                raise ConfigError(option, f"{value!r} is not one of vLLM's: {', '.join(choices)}")
         from range_connector.ops.cache_lookup import lookup_prompt
         from range_connector.ops.offline_spec import offline_namespace
 

@@ -12,29 +12,42 @@
   ``engine_t0_s`` adds it to every tier's ``T0`` when known.
 * The break-even table per backend (:func:`break_even_rows`): ``B``, ``T0``, ``B* = s·R``, the shortest prompt that
   can win, and the predicted saving of loading a whole prompt at a few lengths.
+
+Every option is checked before anything starts (:func:`~range_connector.cli.calibrate_options.check_options`), and
+the tiers are measured before the prefill sweep, so a bad option or a tier that fails is found before the engine's
+start-up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
 from range_connector.backends.valkey.urls import redact_url
-from range_connector.config import TIER_TYPES, RangeConfig
-from range_connector.config.keys import FLAT_TIER_KEYS
+from range_connector.cli.calibrate_options import (  # (the options and their checks; importable from here too)
+    FULL_PROMPT_TOKENS,
+    FULL_READ_BYTES,
+    MAX_MODEL_LEN_MARGIN_TOKENS,
+    QUICK_PROMPT_TOKENS,
+    QUICK_READ_BYTES,
+    TABLE_PROMPT_TOKENS,
+    CalibrateOptions,
+    MiB,
+    ModelFacts,
+    check_options,
+    model_facts,
+    tier_config,
+)
+from range_connector.config import RangeConfig
 from range_connector.cost.calibration_file import Calibration, fit_prefill_rate, fit_tier_line
 from range_connector.cost.model import (
     PrefillRate,
@@ -46,45 +59,15 @@ from range_connector.cost.model import (
 )
 from range_connector.errors import ConfigError
 
+__all__ = [
+    "FULL_PROMPT_TOKENS", "FULL_READ_BYTES", "QUICK_PROMPT_TOKENS", "QUICK_READ_BYTES", "TABLE_PROMPT_TOKENS",
+    "CalibrateOptions", "MiB", "ModelFacts", "break_even_rows", "build_calibration", "check_options",
+    "measure_prefill", "measure_tier", "model_facts", "run_calibration", "tier_config", "unique_backends",
+]
+
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
-QUICK_PROMPT_TOKENS = (128, 256, 512, 1024)
-FULL_PROMPT_TOKENS = (256, 512, 1024, 2048, 4096)
-QUICK_READ_BYTES = (1 * MiB, 4 * MiB, 16 * MiB)
-FULL_READ_BYTES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
-TABLE_PROMPT_TOKENS = (1024, 4096, 16384, 65536)
 _FIRST_SAFE_TOKEN_ID = 16  # random prompts avoid the tokenizer's special tokens at the start of the vocabulary
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFacts:
-    """What calibration needs from a model's ``config.json``.
-
-    Attributes:
-        bytes_per_token: ``s``, bf16 KV bytes of one token, all layers.
-        num_layers: attention layers.
-        vocab_size: token ids are drawn below this.
-    """
-
-    bytes_per_token: int
-    num_layers: int
-    vocab_size: int
-
-
-def model_facts(model_dir: str | Path) -> ModelFacts:
-    """Read :class:`ModelFacts` from a model directory.
-
-    Raises:
-        ConfigError: no readable ``config.json`` or missing fields (key ``model``).
-    """
-    from range_connector.testing.tiny_models import kv_bytes_per_token
-
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        return ModelFacts(kv_bytes_per_token(model_dir), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError("model", f"{model_dir}: cannot read the KV size from config.json ({exc!r})") from None
 
 
 def measure_prefill(base_url: str, prompt_tokens: Sequence[int], *, repeats: int, vocab_size: int, seed: int = 0,
@@ -243,58 +226,6 @@ def unique_backends(backends: Sequence[Backend]) -> list[Backend]:
     return list({id(b): b for b in backends}.values())
 
 
-def tier_config(extra: dict[str, Any], tier_type: str) -> RangeConfig:
-    """The user's ``--extra-config`` as a config of one tier of ``tier_type`` (each measured tier type gets its own):
-    in a hierarchy the tier of that type alone, else the one tier with its type set; the address of another type
-    (valkey servers, a file directory) is dropped, and there is no byte budget (a budget would make room for our own
-    stripes by evicting the tier's real ones).
-
-    Raises:
-        ConfigError: ``tier_type`` is not a tier type (names ``--backends``), or the config is bad (names the key).
-    """
-    if tier_type not in TIER_TYPES:
-        raise ConfigError("--backends", f"{tier_type!r} is not one of {', '.join(TIER_TYPES)}")
-    own = {"valkey": "servers", "file": "directory", "memory": None}
-    drop = {key for other, key in own.items() if other != tier_type and key}
-    extra = dict(extra)
-    if "tiers" in extra or not any(k in FLAT_TIER_KEYS for k in extra):
-        tables = [dict(t) if isinstance(t, dict) else {} for t in extra.get("tiers") or [{}]]
-        # (a hierarchy: the tier of this type, measured alone; a config of one tier: that tier, retyped)
-        table = next((t for t in tables if t.get("type", "valkey") == tier_type), tables[0])
-        extra["tiers"] = [{**{k: v for k, v in table.items() if k not in drop}, "type": tier_type}]
-        extra.pop("write_policy", None)
-    else:
-        flat_drop = {flat for flat, target in FLAT_TIER_KEYS.items() if target in drop}
-        extra = {k: v for k, v in extra.items() if k not in flat_drop}
-        extra["backend"] = tier_type
-    return RangeConfig.from_extra_config(extra).with_tier(capacity_bytes=0)
-
-
-@dataclass(frozen=True, slots=True)
-class CalibrateOptions:
-    """Inputs of :func:`run_calibration` (the command's options)."""
-
-    output: Path
-    model: str | None = None
-    url: str | None = None
-    backends: tuple[str, ...] = ()
-    extra_config: dict = dataclasses.field(default_factory=dict)
-    prompt_tokens: tuple[int, ...] = FULL_PROMPT_TOKENS
-    prefill_repeats: int = 5
-    read_bytes: tuple[int, ...] = FULL_READ_BYTES
-    read_repeats: int = 5
-    skip_prefill: bool = False
-    tokens_per_s: float | None = None
-    bytes_per_token: float | None = None
-    num_layers: int | None = None
-    vocab_size: int | None = None
-    engine_t0_s: float = 0.0
-    start_timeout_s: float = 300.0
-    table_tokens: tuple[int, ...] = TABLE_PROMPT_TOKENS
-    #: leave running the embedded Valkey servers this run started (by default it stops them again)
-    keep_servers: bool = False
-
-
 def _own_embedded_servers(config: RangeConfig, keep: bool, report: Callable[[str], None],
                           cleanup: contextlib.ExitStack) -> None:
     """Start the tier's embedded servers now, and have ``cleanup`` stop them if this run started every one of them
@@ -315,7 +246,9 @@ def _own_embedded_servers(config: RangeConfig, keep: bool, report: Callable[[str
 
 
 def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = print) -> Calibration:
-    """Measure, fit and write the calibration file (see the module docstring).
+    """Measure, fit and write the calibration file (see the module docstring). The options are checked first
+    (:func:`check_options`); then the tiers are measured (embedded servers started and stopped as needed), then
+    the prefill sweep runs: a tier that fails is found before the engine starts.
 
     Raises:
         ConfigError: bad options or config (names the option or key); BackendError: a tier failed;
@@ -323,37 +256,10 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
     """
     from range_connector.backends.factory import open_shard_backends
 
-    if not opts.skip_prefill and not (opts.url or opts.model):
-        raise ConfigError("--model", "give --model (or --tiny) to start an engine, --url for a running one, or "
-                                     "--skip-prefill")
-    facts = model_facts(opts.model) if opts.model else None
+    facts, configs = check_options(opts)
     s = opts.bytes_per_token or (facts.bytes_per_token if facts else None)
     num_layers = opts.num_layers or (facts.num_layers if facts else None)
     vocab = opts.vocab_size or (facts.vocab_size if facts else None)
-    if not opts.skip_prefill and vocab is None:
-        raise ConfigError("--vocab-size", "needed to measure a server without --model")
-    if opts.backends and num_layers is None:
-        raise ConfigError("--num-layers", "needed to measure tiers without --model")
-    if opts.backends and len(set(opts.read_bytes)) < 2:
-        raise ConfigError("--read-mib", "give at least two different sizes: B and T0 are fitted as a line through "
-                                        "the read times")
-    configs = {name: tier_config(opts.extra_config, name) for name in opts.backends}  # (bad config fails first)
-    prefill_points: list[tuple[int, float]] = []
-    if not opts.skip_prefill:
-        if opts.url:
-            report(f"prefill sweep against {opts.url}")
-            prefill_points = measure_prefill(opts.url, opts.prompt_tokens, repeats=opts.prefill_repeats,
-                                             vocab_size=vocab)
-        else:
-            from range_connector.testing.server_process import ServerProcess
-
-            with tempfile.TemporaryDirectory(prefix="range-calibrate-") as work, ServerProcess(
-                    opts.model, work_dir=work, max_model_len=max(opts.prompt_tokens) + 16) as server:
-                report(f"starting vLLM on {opts.model} (no connector) ...")
-                server.wait_ready(timeout_s=opts.start_timeout_s)
-                report(f"prefill sweep against {server.base_url}")
-                prefill_points = measure_prefill(server.base_url, opts.prompt_tokens,
-                                                 repeats=opts.prefill_repeats, vocab_size=vocab)
     tier_points: dict[str, list[list[tuple[int, float]]]] = {}
     for name in opts.backends:
         with contextlib.ExitStack() as cleanup:
@@ -366,6 +272,23 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
                 report(f"{name} shard {shard_idx}: {redact_url(backend.name)}")
                 tier_points[name].append(measure_tier(backend, opts.read_bytes, num_layers=num_layers,
                                                       repeats=opts.read_repeats, report=report))
+    prefill_points: list[tuple[int, float]] = []
+    if not opts.skip_prefill:
+        if opts.url:
+            report(f"prefill sweep against {opts.url}")
+            prefill_points = measure_prefill(opts.url, opts.prompt_tokens, repeats=opts.prefill_repeats,
+                                             vocab_size=vocab)
+        else:
+            from range_connector.testing.server_process import ServerProcess
+
+            with tempfile.TemporaryDirectory(prefix="range-calibrate-") as work, ServerProcess(
+                    opts.model, work_dir=work,
+                    max_model_len=max(opts.prompt_tokens) + MAX_MODEL_LEN_MARGIN_TOKENS) as server:
+                report(f"starting vLLM on {opts.model} (no connector) ...")
+                server.wait_ready(timeout_s=opts.start_timeout_s)
+                report(f"prefill sweep against {server.base_url}")
+                prefill_points = measure_prefill(server.base_url, opts.prompt_tokens,
+                                                 repeats=opts.prefill_repeats, vocab_size=vocab)
     calibration = build_calibration(prefill_points, tier_points, bytes_per_token=s,
                                     model=opts.model or opts.url, tokens_per_s=opts.tokens_per_s,
                                     engine_t0_s=opts.engine_t0_s)
@@ -373,6 +296,6 @@ def run_calibration(opts: CalibrateOptions, report: Callable[[str], None] = prin
 
     try:
         report(f"wrote {write_calibration(calibration, opts.output)}")
-    except OSError as exc:
+    except OSError as exc:  # (checked at the start; the disk may have filled up since)
         raise ConfigError("--output", f"cannot write the calibration file: {exc}") from exc
     return calibration

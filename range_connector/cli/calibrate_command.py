@@ -4,7 +4,8 @@ The measurement (the prefill sweep, the timed stripe reads, the fits and the bre
 :mod:`range_connector.cli.calibrate`, imported when the handler runs; this module turns the options into
 :class:`~range_connector.cli.calibrate.CalibrateOptions` (``--quick`` picks the shorter defaults), runs it and
 prints ``R``, ``s`` and the break-even table. Bad options raise :class:`~range_connector.errors.ConfigError` naming
-the option (the entry point exits 2).
+the option (the entry point exits 2), all of them before an engine or a server starts
+(:func:`~range_connector.cli.calibrate_options.check_options`).
 """
 
 from __future__ import annotations
@@ -72,8 +73,6 @@ def _calibrate(args: argparse.Namespace) -> int:
         from range_connector.testing.tiny_models import build_model
 
         model = str(build_model("gqa", "tiny"))
-    if args.engine_t0_s < 0:
-        raise ConfigError("--engine-t0-s", f"{args.engine_t0_s} must be >= 0")
     opts = c.CalibrateOptions(
         output=args.output, model=model, url=args.url, backends=tuple(backends), extra_config=extra,
         prompt_tokens=args.prompt_tokens or (c.QUICK_PROMPT_TOKENS if args.quick else c.FULL_PROMPT_TOKENS),
@@ -84,7 +83,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         tokens_per_s=args.tokens_per_s, bytes_per_token=args.bytes_per_token, num_layers=args.num_layers,
         vocab_size=args.vocab_size, engine_t0_s=args.engine_t0_s, start_timeout_s=args.start_timeout_s,
         table_tokens=args.table_tokens or c.TABLE_PROMPT_TOKENS, keep_servers=args.keep_servers)
-    calibration = c.run_calibration(opts)
+    calibration = c.run_calibration(opts)  # (every option is checked before anything starts)
     try:
         header, rows = c.break_even_rows(calibration, opts.table_tokens)
     except ValueError:

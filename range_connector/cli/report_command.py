@@ -10,11 +10,10 @@ command exits 1 with the pip line.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from range_connector.cli.common import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, Parser
+from range_connector.cli.common import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, Parser, check_output_file
 from range_connector.errors import ResultFileError
 
 __all__ = ["add_commands"]
@@ -38,9 +37,10 @@ def _report(args: argparse.Namespace) -> int:
     if output.is_dir():
         print(f"error: --output: {output} is a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if not directory.is_dir() or not os.access(directory, os.W_OK):
+    if not directory.is_dir():
         print(f"error: --output: {directory} is not a writable directory", file=sys.stderr)
         return EXIT_BAD_INPUT
+    check_output_file(output, "--output")  # (a file made and removed there: os.access says yes to root anywhere)
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:

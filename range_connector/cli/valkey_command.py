@@ -4,7 +4,9 @@ The servers themselves are run by :mod:`range_connector.backends.valkey.servers`
 parsers and handlers only. Every sub-command takes ``--runtime-dir``, the folder of the servers' record, lock,
 password, logs and working dirs (``--data-dir`` is its deprecated old name: nothing persists there, the servers keep
 no data on disk). Handlers return ``EXIT_OK`` (``status``: ``EXIT_SERVER_DEAD`` when a recorded server does not
-answer); failures raise (the entry point turns them into exit codes). No URL is printed with its password: the
+answer); failures raise (the entry point turns them into exit codes). The options are checked before any server
+is asked or started: a runtime dir that is not a directory (or, for ``start``, cannot be written) and a
+``--maxmemory-bytes`` below the servers' minimum exit 2 naming the option. No URL is printed with its password: the
 engine config printed by ``start`` names the runtime dir, where the engine finds the servers and their password.
 """
 
@@ -19,10 +21,12 @@ from range_connector.cli.common import (
     EXIT_OK,
     EXIT_SERVER_DEAD,
     Parser,
+    check_directory,
     positive_float,
     positive_int,
     print_table,
 )
+from range_connector.errors import ConfigError
 
 __all__ = ["add_commands"]
 
@@ -40,15 +44,30 @@ def _add_runtime_dir_option(parser: argparse.ArgumentParser) -> None:
                         help="deprecated name of --runtime-dir (the servers keep no data on disk: persistence is off)")
 
 
-def _runtime_dir(args: argparse.Namespace) -> Path:
+def _runtime_dir(args: argparse.Namespace, *, to_write: bool) -> Path:
+    """The runtime dir the options name, checked before any server is asked or started.
+
+    Args:
+        to_write: the command creates files there (``start``); else it only reads the record there.
+
+    Raises:
+        ConfigError: the path (or, to write, its nearest existing ancestor) is not a directory, or cannot be
+            written (names ``--runtime-dir``, or ``--data-dir`` when that named it).
+    """
     from range_connector.config.paths import default_runtime_dir
 
-    if args.deprecated_data_dir is not None:
+    option = "--runtime-dir" if args.runtime_dir is not None or args.deprecated_data_dir is None else "--data-dir"
+    path = args.runtime_dir or args.deprecated_data_dir
+    if path is None:
+        path, option = default_runtime_dir(), "--runtime-dir (its default)"
+    if to_write:
+        path = check_directory(path, option)
+    elif path.exists() and not path.is_dir():
+        raise ConfigError(option, f"{path} is not a directory")
+    if args.deprecated_data_dir is not None:  # (after the check: a bad value is the one line)
         print("warning: --data-dir is deprecated, write --runtime-dir (the servers keep no data on disk: "
               "persistence is off, a stopped server loses its contents)", file=sys.stderr)
-        if args.runtime_dir is None:
-            return args.deprecated_data_dir
-    return args.runtime_dir if args.runtime_dir is not None else default_runtime_dir()
+    return path
 
 
 def add_commands(subparsers: argparse._SubParsersAction[Parser]) -> None:
@@ -91,7 +110,12 @@ def _valkey_start(args: argparse.Namespace) -> int:
     from range_connector.backends.valkey.urls import redact_url
     from range_connector.config.keys import embedded_budget_bytes
 
-    runtime_dir = _runtime_dir(args)
+    from range_connector.config.keys import MIN_EMBEDDED_MAXMEMORY_BYTES
+
+    if args.maxmemory_bytes is not None and args.maxmemory_bytes < MIN_EMBEDDED_MAXMEMORY_BYTES:
+        raise ConfigError("--maxmemory-bytes", f"{args.maxmemory_bytes} is below the minimum "
+                                               f"{MIN_EMBEDDED_MAXMEMORY_BYTES} (32 MiB)")
+    runtime_dir = _runtime_dir(args, to_write=True)
     servers = start_embedded(args.shards, runtime_dir, start_timeout_s=args.start_timeout_s,
                              maxmemory_bytes=args.maxmemory_bytes)
     statuses = {status.shard_idx: status for status in server_status(runtime_dir)}
@@ -123,7 +147,7 @@ def _valkey_start(args: argparse.Namespace) -> int:
 def _valkey_status(args: argparse.Namespace) -> int:
     from range_connector.backends.valkey.servers import server_status
 
-    runtime_dir = _runtime_dir(args)
+    runtime_dir = _runtime_dir(args, to_write=False)
     statuses = server_status(runtime_dir)
     if not statuses:
         print(f"no Valkey servers recorded in {runtime_dir}")
@@ -156,7 +180,7 @@ def _valkey_status(args: argparse.Namespace) -> int:
 def _valkey_stop(args: argparse.Namespace) -> int:
     from range_connector.backends.valkey.servers import stop_servers
 
-    runtime_dir = _runtime_dir(args)
+    runtime_dir = _runtime_dir(args, to_write=False)
     num_stopped = stop_servers(runtime_dir, timeout_s=args.timeout_s)
     print(f"stopped {num_stopped} Valkey server(s) in {runtime_dir}")
     return EXIT_OK

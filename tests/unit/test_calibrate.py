@@ -96,7 +96,7 @@ def test_command_measures_dram_and_file_tiers_and_leaves_nothing_behind(tmp_path
         (["--backends", ""], "--model"),
         (["--skip-prefill", "--backends", "memory"], "--num-layers"),
         (["--url", "http://127.0.0.1:9", "--backends", ""], "--vocab-size"),
-        (["--model", "/no/such/model", "--backends", ""], "model"),
+        (["--model", "/no/such/model", "--backends", ""], "--model"),
         (["--skip-prefill", "--num-layers", "2", "--read-mib", "1", "--backends", "memory"], "--read-mib"),
     ],
 )
@@ -123,8 +123,8 @@ def test_an_unusable_runtime_dir_for_valkey_start_is_one_line(tmp_path: Path, ca
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     rc = main(["valkey", "start", "--shards", "1", "--runtime-dir", str(blocker / "rt")])
-    err = capsys.readouterr().err
-    assert rc == 1 and err.startswith("error: ") and str(blocker) in err and err.count("\n") == 1, err
+    err = capsys.readouterr().err  # (a bad argument, found before any server starts: exit 2)
+    assert rc == 2 and err.startswith("error: --runtime-dir: ") and str(blocker) in err and err.count("\n") == 1, err
 
 
 def test_each_tier_of_a_hierarchy_is_measured_alone_with_its_own_settings() -> None:
