@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ NUM_SHARDS = 2
 
 
 def run_fleet(config: str, model_dir: Path, run_dir: Path, requests: list, trace, prime: list[int],
-              kv_cache_gib: int):
+              kv_cache_gib: int, range_extra: dict):
     """Valkey (for ``*-range``), two engines, the fleet proxy; replay through it; stop all. Returns the report."""
     from range_connector.backends.valkey.servers import ensure_servers, server_status, stop_servers
 
@@ -55,7 +56,8 @@ def run_fleet(config: str, model_dir: Path, run_dir: Path, requests: list, trace
             cleanup.callback(lambda: stop_servers(valkey_dir))
             ensure_servers(NUM_SHARDS, valkey_dir)
             kv_config = connector_config({"chunk_tokens": demo.CHUNK_TOKENS, "num_shards": NUM_SHARDS,
-                                          "runtime_dir": str(valkey_dir), "tiers": [{"type": "valkey"}]})
+                                          "runtime_dir": str(valkey_dir), "tiers": [{"type": "valkey"}],
+                                          **range_extra})
         engines = [demo._engine(model_dir, run_dir, f"engine{idx}", str(idx), kv_cache_gib, kv_config)
                    for idx in range(NUM_ENGINES)]
         for server in engines:
@@ -105,11 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=demo.TRACE_DURATION_S, help="--trace arrivals span this")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="each engine's KV cache, GiB (default 1)")
     p.add_argument("--model-size", choices=("bench", "tiny"), default="bench")
+    p.add_argument("--range-extra", default="{}", help="JSON merged into Range's kv_connector_extra_config, e.g. "
+                   "'{\"save_mode\": \"async\"}'")
     p.add_argument("--work-dir", type=Path, default=Path(".cache") / "range-connector" / "fleet")
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if unknown := [c for c in configs if c not in CONFIGS]:
         p.error(f"--configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})")
+    try:
+        range_extra = json.loads(args.range_extra)
+    except ValueError as exc:
+        p.error(f"--range-extra: not JSON: {exc}")
+    if not isinstance(range_extra, dict):
+        p.error("--range-extra: give a JSON object")
     if args.kv_cache_gib < 1:
         p.error("--kv-cache-gib: give at least 1")
     results = REPO / "bench" / "results"
@@ -129,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     requests = build_requests(trace, PromptBuilder(vocab, seed=0))
     prime = PromptBuilder(vocab, seed=demo.PRIME_SEED).block(0, 64).tolist()
     run_dir = args.work_dir.resolve() / "run"
-    reports = [run_fleet(config, model_dir, run_dir, requests, trace, prime, args.kv_cache_gib) for config in configs]
+    reports = [run_fleet(config, model_dir, run_dir, requests, trace, prime, args.kv_cache_gib, range_extra)
+               for config in configs]
     out = results / f"fleet-{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(out, reports, extra={"command": [sys.executable, *sys.argv], "model": str(model_dir),
                                     "trace": trace.describe(), "kv_cache_gib_per_engine": args.kv_cache_gib,
+                                    "range_extra": range_extra,
                                     "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start,
                                                 "loadavg_end": os.getloadavg()}})
     pngs = write_plots(out.with_suffix(""), reports)
