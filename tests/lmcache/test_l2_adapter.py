@@ -19,14 +19,13 @@ no vLLM imported.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-LMCACHE_PYTHON = REPO / ".venv-lmcache" / "bin" / "python"
+from tests.lmcache.lmcache_env import LMCACHE_PYTHON, REPO, lmcache_env, lmcache_unavailable_reason
+
 CHILD = Path(__file__).with_name("l2_adapter_checks.py")
 #: the checks of :data:`CHILD`, by name (the child reports exactly these)
 CHECKS = ("budget_evicts_unleased_stripes", "event_fds", "file_tier", "lmcache_loads_the_plugin_from_the_docs",
@@ -36,29 +35,15 @@ CHECKS = ("budget_evicts_unleased_stripes", "event_fds", "file_tier", "lmcache_l
 CHILD_TIMEOUT_S = 240
 
 
-def lmcache_unavailable_reason() -> str | None:
-    """Why LMCache's environment cannot run the checks, or ``None``."""
-    if not LMCACHE_PYTHON.exists():
-        return (f"{LMCACHE_PYTHON.relative_to(REPO)} is missing: create it with `bash bench/setup_lmcache_env.sh` "
-                f"(LMCache 0.5.6 in a separate venv)")
-    r = subprocess.run([str(LMCACHE_PYTHON), "-c", "import lmcache, torch, valkey, msgpack, xxhash"],
-                       capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        return f"{LMCACHE_PYTHON} cannot import what the adapter needs ({r.stderr.strip()[-300:]}): rerun the setup"
-    return None
-
-
 @pytest.fixture(scope="module")
 def check_results(valkey_servers, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     reason = lmcache_unavailable_reason()
     if reason:
         pytest.skip(reason)
     scratch = tmp_path_factory.mktemp("lmcache-l2")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(REPO)
     r = subprocess.run([str(LMCACHE_PYTHON), str(CHILD), "--urls", ",".join(valkey_servers.urls), "--scratch",
                         str(scratch), "--docs", str(REPO / "docs" / "lmcache.md")],
-                       capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env, cwd=str(scratch))
+                       capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=lmcache_env(), cwd=str(scratch))
     assert r.returncode == 0 and r.stdout.strip(), f"checks exited {r.returncode}: {r.stderr[-4000:]}"
     results = json.loads(r.stdout.strip().splitlines()[-1])
     assert sorted(results) == sorted(CHECKS), f"the child ran {sorted(results)}"
