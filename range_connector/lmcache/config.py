@@ -11,10 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from range_connector.config.keys import DEFAULT_DEPLOYMENT, DEPLOYMENT_PATTERN
+from range_connector.config.keys import DEPLOYMENT_PATTERN
 from range_connector.errors import ConfigError
 
 TIER_TYPES = ("valkey", "file", "memory")
+#: the adapter's default deployment: not Range's own default (``"default"``), so that LMCache's objects and a vLLM
+#: engine's Range chunks on the same servers stay apart (their own tickets, LRU, budget and reset)
+DEFAULT_LMCACHE_DEPLOYMENT = "lmcache"
 _PREFIX = "adapter_params"
 
 
@@ -28,7 +31,7 @@ class RangeL2Config:
         servers: valkey: ``[num_shards]`` ``valkey://[:password@]host:port`` URLs.
         directory: file: root directory; shard ``s`` is ``directory/<deployment>/shard-<s>``.
         num_shards: shards (valkey: ``len(servers)``; memory: 1).
-        deployment: Range's deployment name: every key and directory is under it.
+        deployment: Range's deployment name: every key and directory is under it (default ``"lmcache"``).
         capacity_bytes: Range's byte budget per shard (0: none); least-recently-used unleased stripes are evicted.
         timeout_s: deadline of one backend call, seconds.
         lease_ttl_s: lifetime of a lookup's lease that is never unlocked, seconds.
@@ -39,7 +42,7 @@ class RangeL2Config:
     servers: tuple[str, ...] = ()
     directory: str = ""
     num_shards: int = 1
-    deployment: str = DEFAULT_DEPLOYMENT
+    deployment: str = DEFAULT_LMCACHE_DEPLOYMENT
     capacity_bytes: int = 0
     timeout_s: float = 5.0
     lease_ttl_s: float = 60.0
@@ -79,7 +82,7 @@ class RangeL2Config:
             raise ConfigError(f"{_PREFIX}.num_shards", f"{num_shards} but {len(servers)} servers (one per shard)")
         if tier == "memory" and num_shards != 1:
             raise ConfigError(f"{_PREFIX}.num_shards", "the memory tier has one shard")
-        deployment = params.get("deployment", DEFAULT_DEPLOYMENT)
+        deployment = params.get("deployment", DEFAULT_LMCACHE_DEPLOYMENT)
         if not isinstance(deployment, str) or not re.fullmatch(DEPLOYMENT_PATTERN, deployment):
             raise ConfigError(f"{_PREFIX}.deployment", f"{deployment!r} does not match {DEPLOYMENT_PATTERN}")
         return cls(type=tier, servers=tuple(servers), directory=directory, num_shards=num_shards,

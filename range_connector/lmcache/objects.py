@@ -207,7 +207,8 @@ class ObjectStore:
 
         Args:
             oids: ``[num_objects]`` ids.
-            dests: ``[num_objects]`` flat writable byte views, exactly the object's size each.
+            dests: ``[num_objects]`` flat writable byte views, exactly the object's size each (a read-only one is a
+                miss).
             tickets: ``[num_objects]`` tickets from :meth:`lookup` (``None`` entries, or no list: read them now).
 
         Returns:
@@ -237,7 +238,8 @@ class ObjectStore:
                 raw = [None] * len(unknown)
             for j, r in zip(unknown, raw):
                 tickets[j] = Ticket.decode_object(r, max_layer_bytes=backend.max_value_bytes)
-        wanted = [j for j, t in enumerate(tickets) if t is not None and t.num_blocks == dests[j].nbytes]
+        wanted = [j for j, t in enumerate(tickets)
+                  if t is not None and t.num_blocks == dests[j].nbytes and not dests[j].readonly]
         reads = [RangeRead(t.stripe_id, 0, t.block_offset, t.num_blocks, t.stripe_blocks, dests[j])
                  for j in wanted for t in (tickets[j],) if t is not None]
         loaded = [False] * len(oids)

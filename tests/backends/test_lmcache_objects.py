@@ -107,3 +107,12 @@ def test_round_trips_per_shard_do_not_grow_with_the_object_count(valkey_servers:
             store.close()
     assert costs[0] == costs[1]
     assert costs[0][0] == [1, 1], "a store is one round trip per shard"
+
+
+def test_a_read_only_buffer_is_a_miss_not_an_error(tier: tuple[str, ObjectStore]) -> None:
+    _, store = tier
+    [oid] = ids("ro", 1)
+    assert store.store([oid], [memoryview(payload(oid))]).stored == [True]
+    assert store.load([oid], [memoryview(bytes(4096))]) == [False]
+    dest = bytearray(4096)
+    assert store.load([oid], [memoryview(dest)]) == [True] and bytes(dest) == payload(oid)

@@ -63,7 +63,7 @@ def test_the_range_half_imports_and_runs_without_vllm_or_lmcache() -> None:
 def test_parameters_default_to_one_valkey_shard_per_server() -> None:
     c = RangeL2Config.from_params({"servers": ["valkey://h:1", "valkey://h:2"], "capacity_bytes": 1 << 30})
     assert (c.type, c.num_shards, c.capacity_bytes, c.deployment, c.lease_ttl_s) == ("valkey", 2, 1 << 30,
-                                                                                      "default", 60.0)
+                                                                                      "lmcache", 60.0)
 
 
 @pytest.mark.timeout(10)
