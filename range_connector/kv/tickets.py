@@ -157,7 +157,22 @@ class Ticket:
         return t
 
     @classmethod
-    def _parse(cls, raw: bytes | None, *, num_layers: int, num_blocks: int, max_layer_bytes: int) -> Ticket | None:
+    def decode_object(cls, raw: bytes | None, *, max_layer_bytes: int = MAX_LAYER_BYTES) -> Ticket | None:
+        """Parse and bounds-check the ticket of one opaque object of any size (an LMCache object,
+        :mod:`range_connector.lmcache`): one layer, one plane, one-byte rows, so ``block_offset`` and ``num_blocks``
+        are the object's byte offset and length in its stripe's value of ``stripe_blocks`` bytes.
+
+        Returns:
+            The ticket, or ``None`` if it is missing, malformed or not an object's ticket (never raises).
+        """
+        t = cls._parse(raw, num_layers=1, num_blocks=None, max_layer_bytes=max_layer_bytes)
+        if t is None or (t.num_planes, t.row_bytes, t.head_start, t.num_heads) != (1, 1, 0, 1):
+            return None
+        return t
+
+    @classmethod
+    def _parse(cls, raw: bytes | None, *, num_layers: int, num_blocks: int | None,
+               max_layer_bytes: int) -> Ticket | None:
         if raw is None:
             return None
         try:
@@ -168,7 +183,9 @@ class Ticket:
             ints = (block_offset, nb, stripe_blocks, nl, npl, rb, h0, nh)
             if not isinstance(stripe_id, str) or not all(type(x) is int for x in ints):
                 return None
-            if (nl, nb) != (num_layers, num_blocks) or npl < 1 or rb < 1 or h0 < 0 or not 1 <= nh <= MAX_HEADS - h0:
+            if nl != num_layers or (nb < 1 if num_blocks is None else nb != num_blocks):
+                return None
+            if npl < 1 or rb < 1 or h0 < 0 or not 1 <= nh <= MAX_HEADS - h0:
                 return None
             if block_offset < 0 or stripe_blocks <= 0 or block_offset + nb > stripe_blocks:
                 return None

@@ -1,0 +1,339 @@
+"""LMCache objects as Range stripes: one batched call per shard per task, whatever the number of objects.
+
+An object is an opaque byte string named by a 16-byte :data:`ObjectId` (the BLAKE3 of LMCache's key fields:
+:func:`object_id`); it lives on shard ``int(id[:8]) % num_shards``. A store task becomes, per shard, one stripe
+whose one layer value is the shard's objects end to end (several stripes only past the tier's value limit,
+``Backend.max_value_bytes``), and one ticket per object (:meth:`~range_connector.kv.tickets.Ticket.decode_object`:
+byte offset, length, xxh3-64 of the bytes). A lookup is one ticket read per shard (``MGET`` on Valkey) and one lease
+per shard on the stripes it found; a load is one ranged read per shard straight into the caller's buffers, then
+every object's checksum is verified. So the round trips follow shards, never objects (docs/architecture.md,
+principle 1).
+
+Errors are per object and never raised: a missing, malformed, wrongly sized, unreadable or corrupt object reads as
+``False``; a corrupt object's ticket is deleted so it is not found again. Capacity is Range's: each backend's byte
+budget, least-recently-used unleased stripes evicted with their tickets.
+
+Thread-safe: the backends are (one connection pool per Valkey shard), and this class keeps no mutable state but
+its executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NewType, TypeVar
+
+import blake3
+import msgpack
+import xxhash
+
+from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.errors import BackendError
+from range_connector.kv.namespace import ChunkHash
+from range_connector.kv.tickets import Ticket, ticket_key
+
+logger = logging.getLogger(__name__)
+
+#: 16 bytes naming one LMCache object (:func:`object_id`).
+ObjectId = NewType("ObjectId", bytes)
+T = TypeVar("T")
+
+
+def object_id(model_name: str, kv_rank: int, object_group_id: int, chunk_hash: bytes, cache_salt: str) -> ObjectId:
+    """The id of LMCache's ``ObjectKey`` with these fields: BLAKE3 (16 bytes) of their msgpack encoding, so two
+    keys differing in any field (the salt included) never share an id."""
+    fields = msgpack.packb(["lmcache-object-1", model_name, kv_rank, object_group_id, chunk_hash, cache_salt])
+    return ObjectId(blake3.blake3(fields).digest(16))
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectLease:
+    """A lease one lookup took on one shard: ``stripe_ids`` are protected from eviction until released by
+    ``token`` (or until the lease's ttl passes)."""
+
+    shard_idx: int
+    token: str
+    stripe_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """What a store task stored.
+
+    Attributes:
+        stored: ``[num_objects]`` whether each object is now stored.
+        bytes_stored: bytes of the objects stored.
+    """
+
+    stored: list[bool]
+    bytes_stored: int
+
+
+class ObjectStore:
+    """LMCache objects on ``[num_shards]`` Range backends (one per shard, in shard order).
+
+    Args:
+        backends: ``[num_shards]`` backends; the store owns them (:meth:`close` closes them).
+        lease_ttl_s: lifetime of a lookup's lease, seconds.
+    """
+
+    def __init__(self, backends: Sequence[Backend], *, lease_ttl_s: float) -> None:
+        if not backends:
+            raise ValueError("an object store needs at least one backend")
+        self.backends = list(backends)
+        self.lease_ttl_s = lease_ttl_s
+        self._shard_pool = ThreadPoolExecutor(len(self.backends), thread_name_prefix="range-lmcache-shard")
+
+    @property
+    def num_shards(self) -> int:
+        """Shards (backends)."""
+        return len(self.backends)
+
+    def shard_of(self, oid: ObjectId) -> int:
+        """The shard that holds object ``oid``."""
+        return int.from_bytes(oid[:8], "little") % self.num_shards
+
+    def key_of(self, oid: ObjectId) -> bytes:
+        """The ticket key of object ``oid`` on its shard."""
+        return ticket_key(ChunkHash(oid), self.shard_of(oid))
+
+    # ------------------------------------------------------------------------------------------------------ store
+    def store(self, oids: Sequence[ObjectId], buffers: Sequence[memoryview]) -> StoreResult:
+        """Store objects: one stripe write per shard (more only past the tier's value limit).
+
+        Args:
+            oids: ``[num_objects]`` ids.
+            buffers: ``[num_objects]`` flat byte views, ``len`` bytes each (copied before this returns).
+
+        Returns:
+            Which objects are stored: an object is not when its shard's write failed or was skipped for lack of
+            room (everything evictable leased, or the stripe larger than the budget). Never raises for a tier.
+        """
+        by_shard = self._group(oids)
+        results = self._per_shard(by_shard, lambda s, idxs: self._store_shard(s, [oids[i] for i in idxs],
+                                                                               [buffers[i] for i in idxs]))
+        stored = [False] * len(oids)
+        for s, idxs in by_shard.items():
+            for i, ok in zip(idxs, results.get(s) or [False] * len(idxs)):
+                stored[i] = ok
+        return StoreResult(stored, sum(buffers[i].nbytes for i, ok in enumerate(stored) if ok))
+
+    def _store_shard(self, shard_idx: int, oids: list[ObjectId], buffers: list[memoryview]) -> list[bool]:
+        backend = self.backends[shard_idx]
+        stored: list[bool] = []
+        for group in _value_groups([b.nbytes for b in buffers], backend.max_value_bytes):
+            stripe_id = uuid.uuid4().hex
+            value = bytearray(sum(buffers[i].nbytes for i in group))
+            tickets = []
+            pos = 0
+            for i in group:
+                n = buffers[i].nbytes
+                value[pos:pos + n] = buffers[i]
+                ticket = Ticket(stripe_id, pos, n, len(value), 1, 1, 1, (xxhash.xxh3_64_intdigest(buffers[i]),))
+                tickets.append((self.key_of(oids[i]), ticket.encode()))
+                pos += n
+            try:
+                ok = backend.write_stripe(StripeWrite(stripe_id, [value], tickets, epoch=backend.epoch_hint))
+            except (BackendError, ValueError) as exc:
+                logger.warning("%s: store of %d objects (%d bytes) failed: %s", backend.name, len(group),
+                               len(value), exc)
+                ok = False
+            stored.extend([ok] * len(group))
+        return stored
+
+    # ----------------------------------------------------------------------------------------------------- lookup
+    def lookup(self, oids: Sequence[ObjectId], *, lease: bool) -> tuple[list[Ticket | None], list[ObjectLease]]:
+        """Find objects, one ticket read per shard, and (``lease``) lease the stripes found, one lease per shard.
+
+        Returns:
+            ``[num_objects]`` tickets (``None``: missing, malformed, or on a shard that failed to answer or to
+            lease), and the leases taken (release them with :meth:`release`).
+        """
+        by_shard = self._group(oids)
+        found = self._per_shard(by_shard, lambda s, idxs: self._lookup_shard(s, [oids[i] for i in idxs], lease))
+        tickets: list[Ticket | None] = [None] * len(oids)
+        leases = []
+        for s, idxs in by_shard.items():
+            shard_tickets, shard_lease = found.get(s) or ([None] * len(idxs), None)
+            for i, t in zip(idxs, shard_tickets):
+                tickets[i] = t
+            if shard_lease is not None:
+                leases.append(shard_lease)
+        return tickets, leases
+
+    def _lookup_shard(self, shard_idx: int, oids: list[ObjectId],
+                      lease: bool) -> tuple[list[Ticket | None], ObjectLease | None]:
+        backend = self.backends[shard_idx]
+        try:
+            raw = backend.get_tickets([self.key_of(o) for o in oids])
+        except BackendError as exc:
+            logger.warning("%s: lookup of %d objects failed: %s", backend.name, len(oids), exc)
+            return [None] * len(oids), None
+        tickets = [Ticket.decode_object(r, max_layer_bytes=backend.max_value_bytes) for r in raw]
+        stripe_ids = tuple(dict.fromkeys(t.stripe_id for t in tickets if t is not None))
+        if not lease or not stripe_ids:
+            return tickets, None
+        try:
+            token = backend.lease(stripe_ids, self.lease_ttl_s)
+        except BackendError as exc:  # (an object that cannot be protected is not promised)
+            logger.warning("%s: lease of %d stripes failed: %s", backend.name, len(stripe_ids), exc)
+            return [None] * len(oids), None
+        return tickets, ObjectLease(shard_idx, token, stripe_ids)
+
+    def release(self, leases: Sequence[ObjectLease]) -> bool:
+        """Release leases (one call per lease; an expired one is harmless).
+
+        Returns:
+            Whether every release reached its shard (a lease that did not expires after ``lease_ttl_s``).
+        """
+        ok = True
+        for lease in leases:
+            try:
+                self.backends[lease.shard_idx].release(lease.stripe_ids, lease.token)
+            except BackendError as exc:
+                logger.warning("%s: release of %d stripes failed: %s", self.backends[lease.shard_idx].name,
+                               len(lease.stripe_ids), exc)
+                ok = False
+        return ok
+
+    # ------------------------------------------------------------------------------------------------------- load
+    def load(self, oids: Sequence[ObjectId], dests: Sequence[memoryview],
+             tickets: Sequence[Ticket | None] | None = None) -> list[bool]:
+        """Read objects into the caller's buffers: one ranged read per shard (plus one ticket read per shard for
+        the objects whose ticket is not given), then the checksum of every object.
+
+        Args:
+            oids: ``[num_objects]`` ids.
+            dests: ``[num_objects]`` flat writable byte views, exactly the object's size each (a read-only one is a
+                miss).
+            tickets: ``[num_objects]`` tickets from :meth:`lookup` (``None`` entries, or no list: read them now).
+
+        Returns:
+            ``[num_objects]``: ``True`` where ``dests[i]`` holds exactly the stored bytes; ``False`` where the object
+            is missing, of another size, gone, unreadable or corrupt (``dests[i]`` then holds undefined bytes). A
+            corrupt object's ticket is deleted. Never raises for a tier.
+        """
+        given = list(tickets) if tickets is not None else [None] * len(oids)
+        by_shard = self._group(oids)
+        results = self._per_shard(by_shard, lambda s, idxs: self._load_shard(
+            s, [oids[i] for i in idxs], [dests[i] for i in idxs], [given[i] for i in idxs]))
+        loaded = [False] * len(oids)
+        for s, idxs in by_shard.items():
+            for i, ok in zip(idxs, results.get(s) or [False] * len(idxs)):
+                loaded[i] = ok
+        return loaded
+
+    def _load_shard(self, shard_idx: int, oids: list[ObjectId], dests: list[memoryview],
+                    tickets: list[Ticket | None]) -> list[bool]:
+        backend = self.backends[shard_idx]
+        unknown = [j for j, t in enumerate(tickets) if t is None]
+        if unknown:
+            try:
+                raw = backend.get_tickets([self.key_of(oids[j]) for j in unknown])
+            except BackendError as exc:
+                logger.warning("%s: ticket read of %d objects failed: %s", backend.name, len(unknown), exc)
+                raw = [None] * len(unknown)
+            for j, r in zip(unknown, raw):
+                tickets[j] = Ticket.decode_object(r, max_layer_bytes=backend.max_value_bytes)
+        wanted = [j for j, t in enumerate(tickets)
+                  if t is not None and t.num_blocks == dests[j].nbytes and not dests[j].readonly]
+        reads = [RangeRead(t.stripe_id, 0, t.block_offset, t.num_blocks, t.stripe_blocks, dests[j])
+                 for j in wanted for t in (tickets[j],) if t is not None]
+        loaded = [False] * len(oids)
+        if not reads:
+            return loaded
+        try:
+            present = backend.read_ranges(reads)
+        except (BackendError, ValueError) as exc:  # (ValueError: a ticket that lies about its stripe)
+            logger.warning("%s: read of %d objects failed: %s", backend.name, len(reads), exc)
+            return loaded
+        corrupt = []
+        for j, ok in zip(wanted, present):
+            t = tickets[j]
+            if ok and t is not None and xxhash.xxh3_64_intdigest(dests[j]) == t.checksums[0]:
+                loaded[j] = True
+            elif ok:
+                corrupt.append(self.key_of(oids[j]))
+        if corrupt:
+            logger.warning("%s: %d objects failed their checksum; their tickets are deleted", backend.name,
+                           len(corrupt))
+            try:
+                backend.delete_tickets(corrupt)
+            except BackendError as exc:
+                logger.warning("%s: could not delete %d corrupt tickets: %s", backend.name, len(corrupt), exc)
+        return loaded
+
+    # ----------------------------------------------------------------------------------------------------- admin
+    def delete(self, oids: Sequence[ObjectId]) -> None:
+        """Forget objects (one ticket delete per shard; their stripes age out by LRU). Never raises for a tier."""
+        by_shard = self._group(oids)
+
+        def run(s: int, idxs: list[int]) -> None:
+            try:
+                self.backends[s].delete_tickets([self.key_of(oids[i]) for i in idxs])
+            except BackendError as exc:
+                logger.warning("%s: delete of %d objects failed: %s", self.backends[s].name, len(idxs), exc)
+
+        self._per_shard(by_shard, run)
+
+    def used_bytes(self) -> int:
+        """Bytes of stripes stored on all shards, as Range accounts them (one call per shard).
+
+        Raises:
+            BackendError: a shard does not answer.
+        """
+        return sum(b.used_bytes() for b in _distinct(self.backends))
+
+    def capacity_bytes(self) -> int:
+        """Range's byte budget over all shards (0: at least one shard has none)."""
+        caps = [b.capacity_bytes for b in _distinct(self.backends)]
+        return 0 if any(not c for c in caps) else sum(c for c in caps if c)
+
+    def close(self) -> None:
+        """Stop the shard threads and close the backends (stored bytes stay where the tier keeps them)."""
+        self._shard_pool.shutdown(wait=True)
+        for b in _distinct(self.backends):
+            b.close()
+
+    # --------------------------------------------------------------------------------------------------- helpers
+    def _group(self, oids: Sequence[ObjectId]) -> dict[int, list[int]]:
+        by_shard: dict[int, list[int]] = {}
+        for i, oid in enumerate(oids):
+            by_shard.setdefault(self.shard_of(oid), []).append(i)
+        return by_shard
+
+    def _per_shard(self, by_shard: dict[int, list[int]], fn: Callable[[int, list[int]], T]) -> dict[int, T | None]:
+        """Run ``fn(shard_idx, indices)`` for every shard at once; a shard whose call raised maps to ``None``."""
+        if len(by_shard) == 1:
+            [(s, idxs)] = by_shard.items()
+            return {s: self._guarded(fn, s, idxs)}
+        futures = {s: self._shard_pool.submit(self._guarded, fn, s, idxs) for s, idxs in by_shard.items()}
+        return {s: f.result() for s, f in futures.items()}
+
+    def _guarded(self, fn: Callable[[int, list[int]], T], s: int, idxs: list[int]) -> T | None:
+        try:
+            return fn(s, idxs)
+        except Exception:  # (a bug, not a tier: logged with its traceback, the shard's objects fail)
+            logger.exception("%s: unexpected error in an object task", self.backends[s].name)
+            return None
+
+
+def _value_groups(sizes_bytes: Sequence[int], max_value_bytes: int) -> list[list[int]]:
+    """Split objects (in order) into stripes whose value stays within ``max_value_bytes``; an object larger than
+    the limit gets a stripe of its own (its write then fails: that object is not stored)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes_bytes):
+        if not groups or total + n > max_value_bytes:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
+def _distinct(backends: Sequence[Backend]) -> list[Backend]:
+    return list({id(b): b for b in backends}.values())

@@ -1,0 +1,118 @@
+"""``range_connector.lmcache.objects.ObjectStore`` (the Range half of the LMCache L2 adapter, no LMCache needed)
+against every tier: the DRAM tier, files (two shard directories) and real Valkey servers (two shards).
+
+This is the part of the adapter that CI runs (it has no LMCache environment); ``tests/lmcache/test_l2_adapter.py``
+runs the whole adapter through LMCache's interface where ``.venv-lmcache`` exists.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import valkey
+
+from range_connector.backends.base import Backend
+from range_connector.backends.file.backend import FileBackend
+from range_connector.backends.memory import MemoryBackend
+from range_connector.backends.valkey.client import ValkeyBackend
+from range_connector.lmcache.objects import ObjectId, ObjectStore, object_id
+from tests.conftest import ValkeyServers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ids(prefix: str, n: int) -> list[ObjectId]:
+    return [object_id("tiny/model", 0, 0, f"{prefix}:{i}".encode().ljust(32, b"\0"), "") for i in range(n)]
+
+
+def payload(oid: ObjectId, nbytes: int = 4096) -> bytes:
+    return (oid * (nbytes // len(oid) + 1))[:nbytes]
+
+
+@pytest.fixture(params=["memory", "file", "valkey"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, ObjectStore]]:
+    deployment = f"objs{os.getpid()}{abs(hash(request.node.name)) % 10**8}"
+    backends: list[Backend]
+    if request.param == "memory":
+        backends = [MemoryBackend(None)]
+    elif request.param == "file":
+        backends = [FileBackend(tmp_path / f"shard-{s}") for s in range(2)]
+    else:
+        servers: ValkeyServers = request.getfixturevalue("valkey_servers")
+        backends = [ValkeyBackend(u, deployment=deployment) for u in servers.urls]
+    store = ObjectStore(backends, lease_ttl_s=30.0)
+    try:
+        yield deployment, store
+    finally:
+        store.close()
+
+
+def test_objects_round_trip_and_misses_are_false(tier: tuple[str, ObjectStore]) -> None:
+    _, store = tier
+    oids = ids("rt", 12)
+    result = store.store(oids, [memoryview(payload(o)) for o in oids])
+    assert result.stored == [True] * 12 and result.bytes_stored == 12 * 4096
+    asked = oids + ids("missing", 1)
+    tickets, leases = store.lookup(asked, lease=True)
+    assert [t is not None for t in tickets] == [True] * 12 + [False]
+    assert sorted(lease.shard_idx for lease in leases) == sorted({store.shard_of(o) for o in oids})
+    dests = [bytearray(4096) for _ in asked[:-1]] + [bytearray(4096)]
+    short = bytearray(100)  # a buffer of the wrong size is a miss, never a partial fill
+    loaded = store.load(asked + [oids[0]], [memoryview(d) for d in dests] + [memoryview(short)], tickets + [None])
+    assert loaded == [True] * 12 + [False, False]
+    assert all(bytes(d) == payload(o) for d, o in zip(dests, oids))
+    assert store.release(leases)
+    assert store.used_bytes() == 12 * 4096
+
+
+def test_a_corrupt_object_is_false_and_forgotten_the_others_load(valkey_servers: ValkeyServers) -> None:
+    deployment = f"objcorrupt{os.getpid()}"
+    store = ObjectStore([ValkeyBackend(u, deployment=deployment) for u in valkey_servers.urls], lease_ttl_s=30.0)
+    try:
+        oids = ids("corrupt", 6)
+        assert all(store.store(oids, [memoryview(payload(o)) for o in oids]).stored)
+        tickets, _ = store.lookup(oids, lease=False)
+        t = tickets[3]
+        admin = valkey.Valkey.from_url(valkey_servers.urls[store.shard_of(oids[3])])
+        key = f"rc3:{deployment}:s:{t.stripe_id}:0"
+        old = admin.getrange(key, t.block_offset + 7, t.block_offset + 7)
+        admin.setrange(key, t.block_offset + 7, bytes([old[0] ^ 1]))
+        admin.close()
+        dests = [bytearray(4096) for _ in oids]
+        assert store.load(oids, [memoryview(d) for d in dests]) == [True, True, True, False, True, True]
+        assert store.lookup(oids[3:4], lease=False)[0] == [None], "the corrupt object's ticket must be deleted"
+    finally:
+        store.close()
+
+
+def test_round_trips_per_shard_do_not_grow_with_the_object_count(valkey_servers: ValkeyServers) -> None:
+    costs = []
+    for n in (8, 256):
+        store = ObjectStore([ValkeyBackend(u, deployment=f"objflat{n}{os.getpid()}") for u in valkey_servers.urls],
+                            lease_ttl_s=30.0)
+        try:
+            oids = ids(f"flat{n}", n)
+            per_op = []
+            for op in (lambda: store.store(oids, [memoryview(payload(o)) for o in oids]),
+                       lambda: store.lookup(oids, lease=True),
+                       lambda: store.load(oids, [memoryview(bytearray(4096)) for _ in oids])):
+                before = [b.counters.round_trips for b in store.backends]
+                op()
+                per_op.append([b.counters.round_trips - x for b, x in zip(store.backends, before)])
+            costs.append(per_op)
+        finally:
+            store.close()
+    assert costs[0] == costs[1]
+    assert costs[0][0] == [1, 1], "a store is one round trip per shard"
+
+
+def test_a_read_only_buffer_is_a_miss_not_an_error(tier: tuple[str, ObjectStore]) -> None:
+    _, store = tier
+    [oid] = ids("ro", 1)
+    assert store.store([oid], [memoryview(payload(oid))]).stored == [True]
+    assert store.load([oid], [memoryview(bytes(4096))]) == [False]
+    dest = bytearray(4096)
+    assert store.load([oid], [memoryview(dest)]) == [True] and bytes(dest) == payload(oid)
