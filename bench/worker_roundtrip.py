@@ -27,6 +27,7 @@ from range_connector.config import RangeConfig, TierConfig
 from range_connector.kv.metadata import ChunkTransfer, RangeConnectorMetadata, RequestTransfer
 from range_connector.kv.namespace import ChunkHash, prefix_hash_chain
 from range_connector.kv.tickets import Ticket
+from range_connector.worker.device import CopyDevice
 from range_connector.worker.facade import RangeWorker
 
 LAYOUTS = ("cpu", "flash")
@@ -154,9 +155,10 @@ class RoundTrip:
 
     @classmethod
     def build(cls, cfg: RangeConfig, shape: KVShape, save_backends: list[Backend], load_backends: list[Backend], *,
-              num_chunks: int, device: str | torch.device = "cpu", seed: int = 0) -> RoundTrip:
+              num_chunks: int, device: str | torch.device = "cpu", loader_device: CopyDevice | None = None,
+              seed: int = 0) -> RoundTrip:
         """Save ``num_chunks`` chunks of random KV (from shuffled blocks) through ``save_backends``; register a
-        loader over ``load_backends``.
+        loader over ``load_backends`` (``loader_device``: its device seam, default the tensors' own).
 
         Raises:
             RuntimeError: a chunk was not saved, or the KV pool is too small for ``num_chunks``.
@@ -177,7 +179,7 @@ class RoundTrip:
             raise RuntimeError(f"saved {len(tickets)} of {len(hashes)} chunks: {dict(saver.stats)}")
         dst = shape.allocate(device)
         loader = RangeWorker(cfg, shape.block_size, shape.layer_names, shape.num_blocks, load_backends)
-        loader.register_kv_caches(dst)
+        loader.register_kv_caches(dst, device=loader_device)
         return cls(shape, saver, loader, src, dst, list(hashes), tickets, src_ids, num_tokens)
 
     def load_meta(self, dst_ids: Sequence[int], *, mode: str = "pipelined", req_id: str = "load"
