@@ -98,6 +98,13 @@ class CudaDevice(CopyDevice):
         self.compute_stream = torch.cuda.current_stream(device)
         self.copy_stream = torch.cuda.Stream(device=device)
 
+    def index(self, ids: Sequence[int] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """As :meth:`CopyDevice.index`, made on the copy stream: the copies that use it are queued there, so its
+        upload is ordered before them whatever stream the calling thread has current (an asynchronous load's
+        thread has the default stream, not the engine's)."""
+        with torch.cuda.stream(self.copy_stream):
+            return index_on(ids, like)
+
     def copy_rows(self, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
                   src: slice | torch.Tensor) -> Any | None:
         """As :meth:`CopyDevice.copy_rows`, queued on the copy stream; returns its ``torch.cuda.Event``.
@@ -116,7 +123,7 @@ class CudaDevice(CopyDevice):
             else:
                 staged = src_rows.index_select(0, src).to(self.device, non_blocking=True)
             dst_idx = self.index(dst, dst_rows)
-            if dst_idx is dst:  # (made on another stream: not reused before this copy has read it)
+            if dst_idx is dst:  # (made by the caller, maybe on another stream: not reused before this copy read it)
                 dst_idx.record_stream(stream)
             dst_rows.index_copy_(0, dst_idx, staged)
             event = torch.cuda.Event()
