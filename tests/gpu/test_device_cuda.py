@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
 ]
 
-SPIN_CYCLES = 2_000_000_000  # about a second of one SM: the copies queued behind it are certainly still pending
+SPIN_CYCLES = 5_000_000_000  # seconds of one SM spinning: the copies queued behind it are still pending when looked at
 
 
 class CountingCudaDevice(CudaDevice):
