@@ -6,8 +6,10 @@ of the group into the KV cache and releases the bank. At most ``num_banks`` bank
 bounded staging memory, reads of group ``g + 1`` overlap the copies of group ``g``, and each layer can be handed to
 attention as soon as its bank has completed and been copied.
 
-Completion is a ``concurrent.futures.Future`` on CPU. On CUDA, banks are pinned host memory and the consumer's copy
-runs on a dedicated copy stream, ending with a CUDA event that attention waits on (``tests/gpu``).
+Completion is a ``concurrent.futures.Future``. On CUDA (:mod:`range_connector.worker.device`), banks are pinned host
+memory, allocated once per pool slot and reused, and the consumer's copies run on the worker's copy stream, ending with
+events that attention waits on; a bank is released with the event of its last copy (its *fence*), and the reader
+thread waits for that fence before it fills the bank again, so the consumer never waits on the host for a copy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from range_connector.errors import BackendTimeoutError
+from range_connector.worker.device import CopyDevice, HostDevice
 
 
 @dataclass
@@ -40,15 +43,17 @@ class BankPool:
 
     Args:
         num_banks: how many banks may exist at once (>= 1).
-        pin_memory: allocate pinned host memory (for CUDA copies).
+        device: the device seam: whether buffers are pinned (``device.pin_memory``) and how a fence is waited for.
     """
 
-    def __init__(self, num_banks: int, *, pin_memory: bool = False) -> None:
+    def __init__(self, num_banks: int, *, device: CopyDevice | None = None) -> None:
         if num_banks < 1:
             raise ValueError(f"num_banks must be >= 1, got {num_banks}")
         self.num_banks = num_banks
-        self.pin_memory = pin_memory
-        self._free: list[torch.Tensor] = []
+        self.device = HostDevice() if device is None else device
+        self.pin_memory = self.device.pin_memory
+        #: released buffers, each with the event of the last copy that reads it (``None``: none pending)
+        self._free: list[tuple[torch.Tensor, object | None]] = []
         self._slots = threading.Semaphore(num_banks)
         self._lock = threading.Lock()
         #: buffers allocated so far (a new one only when none free is large enough).
@@ -58,7 +63,8 @@ class BankPool:
         self.allocated_bytes = 0
 
     def acquire(self, nbytes: int, timeout_s: float) -> TransferBank:
-        """Take a free bank of at least ``nbytes`` bytes, waiting up to ``timeout_s`` for one to be released.
+        """Take a free bank of at least ``nbytes`` bytes, waiting up to ``timeout_s`` for one to be released, and for
+        the copies still reading it (its fence: a host wait, on the calling thread, the bank reader).
 
         Raises:
             BackendTimeoutError: no bank was released in time.
@@ -68,28 +74,35 @@ class BankPool:
         try:
             with self._lock:
                 # (by position: ``list.remove`` would compare tensors with ``==``, elementwise)
-                fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+                fits = [i for i, (b, _f) in enumerate(self._free) if b.numel() >= nbytes]
+                buf, fence = None, None
                 if fits:
-                    buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-                else:
-                    if self._free:  # drop the largest too-small one: the pool never holds more than num_banks
-                        dropped = self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
-                        self.allocated_bytes -= dropped.numel()
-                    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+                    buf, fence = self._free.pop(min(fits, key=lambda i: self._free[i][0].numel()))
+                elif self._free:  # drop the largest too-small one: the pool never holds more than num_banks
+                    largest = max(range(len(self._free)), key=lambda i: self._free[i][0].numel())
+                    dropped, fence = self._free.pop(largest)
+                    self.allocated_bytes -= dropped.numel()
+                self.in_use += 1
+            self.device.synchronize([fence])  # (outside the lock: the consumer releases banks meanwhile)
+            if buf is None:
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+                with self._lock:
                     self.allocations += 1
                     self.allocated_bytes += nbytes
-                self.in_use += 1
         except BaseException:
+            with self._lock:
+                self.in_use -= 1
             self._slots.release()  # (an allocation that failed must not cost a slot for ever)
             raise
         return TransferBank(buf)
 
-    def release(self, bank: TransferBank) -> None:
-        """Give a bank back (idempotent per bank)."""
+    def release(self, bank: TransferBank, fence: object | None = None) -> None:
+        """Give a bank back (idempotent per bank); ``fence``: the event of the last copy that reads it (the bank is
+        not filled again before it completes)."""
         with self._lock:
             if bank.buffer.numel() == 0:
                 return
-            self._free.append(bank.buffer)
+            self._free.append((bank.buffer, fence))
             bank.buffer = torch.empty(0, dtype=torch.uint8)
             self.in_use -= 1
         self._slots.release()

@@ -1,17 +1,17 @@
 """What a load job may use of its worker, frozen when the KV cache is registered.
 
 :class:`LoadContext` is built once by :meth:`range_connector.worker.facade.RangeWorker.register_kv_caches` and
-handed to every :class:`~range_connector.worker.loads.LoadJob`; the job reaches nothing else of the worker. It owns
-the KV cache's row views (and, on CUDA, the copy stream), so reads of the layout, ticket checks and batched copies
-into the KV cache live here. The mutable parts it shares with the worker are the counters (``stats``), the per-layer
-copy events and the callback that forgets a bad chunk.
+handed to every :class:`~range_connector.worker.loads.LoadJob`; the job reaches nothing else of the worker. It holds
+the KV cache's row views and the device seam (:mod:`range_connector.worker.device`: on CUDA, the copy stream), so
+reads of the layout, ticket checks and batched copies into the KV cache live here. The mutable parts it shares with
+the worker are the counters (``stats``), the per-layer copy events and the callback that forgets a bad chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ from range_connector.kv.sharding import ShardPlan
 from range_connector.kv.tickets import MAX_LAYER_BYTES, Ticket
 from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.counters import Counters
+from range_connector.worker.device import CopyDevice, HostDevice
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,9 +42,10 @@ class LoadContext:
         verifier: the thread that checks lent stripes' checksums.
         shard_readers: reads the shards of one layer group in parallel (one server each).
         stats: the worker's counters (shared, added to by jobs on several threads: :meth:`Counters.add`).
-        layer_events: CUDA only: ``layer_name -> event`` of a pipelined copy (shared, filled by jobs).
+        layer_events: ``layer_name -> event`` of the last copy into that layer by the step's load (shared, filled by
+            jobs; empty on host memory, whose copies have no events).
         drop: forgets a chunk whose bytes proved bad or gone on a shard: ``drop(chunk_hash, shard_idx)``.
-        copy_stream: CUDA only: the stream that copies banks into the KV cache.
+        device: the device seam (the copy stream and its events on CUDA).
         heads: ``(head_start, num_heads)``: the KV heads this rank's cache holds.
     """
 
@@ -60,7 +62,7 @@ class LoadContext:
     stats: Counters
     layer_events: MutableMapping[str, object]
     drop: Callable[[ChunkHash, int], None]
-    copy_stream: object | None = None
+    device: CopyDevice = field(default_factory=HostDevice)
     heads: tuple[int, int] = (0, 1)
 
     def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
@@ -90,28 +92,10 @@ class LoadContext:
 
     def copy_rows(self, dst_rows: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor,
                   src: slice | torch.Tensor) -> object | None:
-        """``dst_rows[dst] = src_rows[src]`` as one batched index copy; returns the CUDA event of the copy.
+        """``dst_rows[dst] = src_rows[src]`` as one batched index copy through the device seam; returns the copy's
+        event (``None`` on host memory). Shapes: :meth:`~range_connector.worker.device.CopyDevice.copy_rows`.
 
         When the source rows are one run (the usual case: a chunk's blocks are consecutive in its stripe, and a
         bank holds segments back to back) the source is a view and the copy is the only pass over the bytes;
-        otherwise the rows are gathered first. On CUDA the source is staged to the device on the copy stream.
-
-        Args:
-            dst_rows: ``[num_blocks, row]`` KV rows of one (layer, plane).
-            dst: ``[n]`` destination block ids (int64).
-            src_rows: ``[num_src_rows, row]`` source rows (a bank or a lent stripe), same dtype and row width.
-            src: a slice or ``[n]`` row indices into ``src_rows``.
-        """
-        picked = src_rows[src] if isinstance(src, slice) else src_rows.index_select(0, src)
-        if not dst_rows.is_cuda:
-            dst_rows.index_copy_(0, dst, picked)
-            return None
-        stream = self.copy_stream
-        assert stream is not None
-        with torch.cuda.stream(stream):
-            device = dst_rows.device
-            staged = picked.to(device, non_blocking=True)  # from pinned host memory
-            dst_rows.index_copy_(0, dst.to(device, non_blocking=True), staged)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+        otherwise the rows are gathered first."""
+        return self.device.copy_rows(dst_rows, dst, src_rows, src)

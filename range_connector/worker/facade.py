@@ -34,11 +34,12 @@ from range_connector.kv.tickets import Ticket, head_keys, key_chunk_hash, ticket
 from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
 from range_connector.worker.counters import Counters
+from range_connector.worker.device import CopyDevice, HostDevice, device_for
 from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
 from range_connector.worker.observe import count_tier_bytes, observe_first_layer
 from range_connector.worker.probes import probe_chunk
 from range_connector.worker.reassembly import has_pieces, reassemble
-from range_connector.worker.saves import StripeSaver
+from range_connector.worker.saves import StripeSaver, follow_tier_reset
 
 logger = logging.getLogger("vllm." + __name__)
 
@@ -102,8 +103,8 @@ class RangeWorker:
         #: background probes of a refused tier (:mod:`range_connector.worker.probes`), one at a time
         self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-probe")
         self._probe_timings: list[tuple[int, float, bool]] = []  # appended by the prober thread
-        self._copy_stream = None  # CUDA only: the stream that copies banks into the KV cache
-        #: CUDA only: layer -> event of its pipelined load copy (attention's stream waits on it)
+        self.device: CopyDevice = HostDevice()  # the device seam (CUDA: copy stream, events): register_kv_caches
+        #: layer -> event of the step load's last copy into it (CUDA; attention's stream waits on it)
         self.layer_events: dict[str, object] = {}
         #: deliver pipelined loads before the forward (attention does not call wait_for_layer_load)
         self.deliver_before_forward = False
@@ -146,27 +147,21 @@ class RangeWorker:
             return
         self.reset_generation = meta.reset_generation
         self.saver.reset(meta.reset_generation)
-        for backend in leaf_backends(self.backends):
-            if backend.is_shared:  # (cleared by the scheduler: saves gathered from now on carry the new epoch)
-                backend.refresh_epoch()
-                continue
-            try:
-                backend.clear()
-            except (BackendError, NotImplementedError) as exc:
-                logger.warning("Range reset: %s not cleared: %s", backend.name, exc)
+        follow_tier_reset(self.backends)
         self.stats.add("resets")
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """View the engine's KV tensors as rows (see :func:`range_connector.kv.layout.block_rows`)."""
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], *, device: CopyDevice | None = None) -> None:
+        """View the engine's KV tensors as rows (see :func:`range_connector.kv.layout.block_rows`) and build the
+        device seam once (``device``, default :func:`~range_connector.worker.device.device_for` the tensors: on
+        CUDA a copy stream of its own and pinned banks)."""
         self.layout, self._rows = block_rows(kv_caches, self.layer_names, self.num_blocks, self.head_slice.count)
-        if self._rows and self._rows[0].is_cuda:  # pinned staging and a copy stream of our own
-            self.banks = BankPool(self.config.num_banks, pin_memory=True)
-            self._copy_stream = torch.cuda.Stream(device=self._rows[0].device)
+        self.device = device_for(self._rows) if device is None else device
+        self.banks = BankPool(self.config.num_banks, device=self.device)
         self.load_context = LoadContext(
             config=self.config, layout=self.layout, layer_names=self.layer_names, plan=self.plan,
             backends=self.backends, rows=self._rows, banks=self.banks, reader=self.reader, verifier=self.verifier,
             shard_readers=self.shard_readers, stats=self.stats, layer_events=self.layer_events, drop=self.drop,
-            copy_stream=self._copy_stream, heads=(self.head_slice.start, self.head_slice.count))
+            device=self.device, heads=(self.head_slice.start, self.head_slice.count))
         logger.info("Range worker: %d layers x %d planes, %d bytes per block row, %d blocks",
                     len(self.layer_names), self.layout.num_planes, self.layout.row_bytes, self.num_blocks)
 
@@ -210,8 +205,9 @@ class RangeWorker:
             job = LoadJob(self.load_context, step, now + self._deadline_s(step), SYNC if sync else PIPELINED)
             job.start()
             self._step_job = job
-            if sync:
+            if sync:  # (attention's stream then waits for every layer's copies: no host synchronisation)
                 job.deliver_through(len(self.layer_names) - 1)
+                self.device.wait_current([self.layer_events.pop(n) for n in list(self.layer_events)])
 
     def _probe(self, tickets: tuple[Ticket, ...]) -> None:
         if not all(self.load_context.ticket_fits(t) for t in tickets):
@@ -238,9 +234,7 @@ class RangeWorker:
             if job.layer_waited_s[layer_idx] is None:
                 job.layer_waited_s[layer_idx] = time.monotonic()
             job.deliver_through(layer_idx)
-        event = self.layer_events.pop(layer_name, None)
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+        self.device.wait_current([self.layer_events.pop(layer_name, None)])
 
     def _deliver_async(self, job: LoadJob) -> None:
         try:
@@ -249,6 +243,8 @@ class RangeWorker:
             logger.exception("Range asynchronous load failed")
             job.cancel()
             job.fail_all()
+        finally:  # (what it queued lands before the load counts as done, failed too: a host wait on this thread)
+            job.fence()
 
     def _finish_step_job(self) -> None:
         """Settle the step's pipelined/synchronous job after the forward (idempotent within a step).
@@ -269,7 +265,8 @@ class RangeWorker:
                                    "(wait_for_layer_load not called); those loads are recomputed", len(unwaited))
                 job.cancel()
                 job.fail_all()
-        job.finish()
+        job.finish()  # (copies never waited for: later work on attention's stream waits for them)
+        self.device.wait_current([self.layer_events.pop(n) for n in list(self.layer_events)])
         self._record_job(job)
 
     def _record_job(self, job: LoadJob) -> None:
@@ -315,7 +312,8 @@ class RangeWorker:
         now = time.monotonic()
         for req_id, (job, fut) in list(self._async_jobs.items()):
             if req_id in finished_req_ids and not fut.done():
-                job.cancel()  # aborted: stop writing into blocks vLLM is about to free
+                job.cancel()  # aborted: stop writing into blocks vLLM is about to free, and fence what was queued
+                job.fence()
                 self.stats.add("loads_aborted")
                 self._loaded_reqs.append(req_id)
             elif fut.done():
@@ -323,6 +321,7 @@ class RangeWorker:
                 self._record_job(job)
             elif now > job.deadline + self.config.tier.timeout_s:
                 job.cancel()  # the delivery thread overran its deadline: nothing more is written
+                job.fence()
                 job.deadline_missed = True
                 self.stats.add("load_deadline_misses")
                 job.fail_all()
@@ -486,6 +485,7 @@ class RangeWorker:
         self._finish_step_job()
         for job, _fut in self._async_jobs.values():
             job.cancel()
+            job.fence()
         self._async_jobs.clear()
         self.reader.close()
         self.verifier.shutdown(wait=False)

@@ -164,7 +164,7 @@ class LentViews:
                 return
             for group_idx, (src_rows, dst_ids) in self.copies.items():
                 source = group_source[group_idx]
-                dst = torch.tensor(dst_ids, dtype=torch.long)
+                dst = job.w.device.index(dst_ids, job.w.kv_rows(0, 0))
                 src = row_selector(src_rows)
                 for layer_idx in job.groups[g]:
                     for p in range(job.num_planes):

@@ -215,7 +215,7 @@ class LoadJob:
                 self._plan.append((req, chunk, parts, src_rows, dst_ids))
         if not self.segments:
             return
-        if not w.kv_rows(0, 0).is_cuda and all(
+        if w.device.can_receive_direct and all(
                 w.backends[seg.shard_idx].serves_scatter(seg.ticket.stripe_id) for seg in self.segments):
             self.direct = DirectRows.plan(w.kv_rows, self.num_layers, num_planes, row_bytes, self.segments,
                                           self.rows_per_region, [(e[3], e[4]) for e in self._plan])
@@ -334,7 +334,7 @@ class LoadJob:
                     dst_ids.extend(c_dst)
             if dst_ids:
                 src = row_selector(src_rows)
-                dst = torch.tensor(dst_ids, dtype=torch.long)
+                dst = w.device.index(dst_ids, w.kv_rows(0, 0))
                 with self.lock:
                     if self.closed:
                         return
@@ -347,9 +347,8 @@ class LoadJob:
                 w.stats.add("copy_launches", len(group) * self.num_planes)
             else:  # nothing left to load: stop reading the remaining layer groups
                 self.cancel()
-        finally:
-            self._bank_copied()
-            w.banks.release(bank)
+        finally:  # (fenced: the reader fills it again only after its copies have read it)
+            w.banks.release(bank, fence=self.events[-1] if self.events else None)
 
     def _deliver_direct_group(self, g: int) -> None:
         """The group's rows are already in the KV cache (direct receive): wait for them, then verify."""
@@ -380,13 +379,13 @@ class LoadJob:
         event = self.w.copy_rows(self.w.kv_rows(layer_idx, plane_idx), dst, src_rows, src)
         if event is not None:
             self.events.append(event)
-            if self.mode == PIPELINED:
+            if self.mode != ASYNC:  # (the step's: attention's stream waits for them, no host synchronisation)
                 self.w.layer_events[self.w.layer_names[layer_idx]] = event
 
-    def _bank_copied(self) -> None:
-        """Before a bank is reused, its device copies must have read it (CUDA); no-op on CPU."""
-        for event in self.events:
-            event.synchronize()  # type: ignore[attr-defined]
+    def fence(self) -> None:
+        """Block until every copy this job queued has landed (a host synchronisation; no-op on host memory): before
+        the request of an asynchronous, aborted or overrun load is reported finished."""
+        self.w.device.synchronize(self.events)
 
     # ------------------------------------------------------------------ end
     def cancel(self) -> None:
@@ -417,7 +416,6 @@ class LoadJob:
             self.deliver_through(self.num_layers - 1)
         self.cancel()
         self.finished = True
-        self._bank_copied()
         if self.lent is not None:
             self.lent.settle()
         self.done = [(entry[1].chunk_hash, list(range(len(entry[1].tickets))), entry[-1]) for entry in self._plan

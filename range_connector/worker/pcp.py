@@ -55,6 +55,7 @@ import xxhash
 from range_connector.errors import CollectiveError
 from range_connector.kv.layout import block_rows
 from range_connector.kv.sharding import ShardPlan
+from range_connector.worker.device import index_on
 
 logger = logging.getLogger("vllm." + __name__)
 
@@ -193,21 +194,38 @@ def exchange_layer_blocks(kv_layer: torch.Tensor, num_blocks: int, shares: Seque
     if any(not 0 <= b < num_blocks for s in shares for b in s):
         raise ValueError(f"PCP exchange: a block id is outside [0, {num_blocks})")
     layout, rows = block_rows({"layer": kv_layer}, ["layer"], num_blocks)
-    mine = torch.tensor(shares[rank], dtype=torch.long)
-    send = torch.zeros((layout.num_planes, max_n, layout.row_elems), dtype=layout.row_dtype)
-    for p, plane_rows in enumerate(rows):
-        send[p, :len(shares[rank])] = plane_rows.index_select(0, mine)
+    send = torch.zeros((layout.num_planes, max_n, layout.row_elems), dtype=layout.row_dtype)  # (host: gloo)
+    send[:, :len(shares[rank])] = gather_share(rows, shares[rank])
     recv = [torch.empty_like(send) for _ in shares]
     _wait(dist.all_gather(recv, send, group=group, async_op=True), timeout_s, "layer exchange")
     written = 0
     for w, share in enumerate(shares):
         if w == rank or not share:
             continue
-        ids = torch.tensor(share, dtype=torch.long)
-        for p, plane_rows in enumerate(rows):
-            plane_rows.index_copy_(0, ids, recv[w][p, :len(share)])
+        scatter_share(rows, share, recv[w][:, :len(share)])
         written += len(share)
     return written
+
+
+def gather_share(rows: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+    """``[num_planes, len(block_ids), row]``: the rows of ``block_ids`` in each plane, in host memory.
+
+    Args:
+        rows: ``[num_planes]`` views ``[num_blocks, row]`` of one layer (on the KV cache's device).
+        block_ids: block ids to gather (the index is made on the rows' device).
+    """
+    if not block_ids:
+        return torch.empty((len(rows), 0, rows[0].shape[1]), dtype=rows[0].dtype)
+    idx = index_on(block_ids, rows[0])
+    return torch.stack([plane_rows.index_select(0, idx) for plane_rows in rows]).to("cpu")
+
+
+def scatter_share(rows: Sequence[torch.Tensor], block_ids: Sequence[int], received: torch.Tensor) -> None:
+    """Write ``received`` ``[num_planes, len(block_ids), row]`` (host memory) into ``block_ids`` of each plane of
+    ``rows`` (``[num_planes]`` views ``[num_blocks, row]``, on any device: index and rows are moved there)."""
+    idx = index_on(block_ids, rows[0])
+    for p, plane_rows in enumerate(rows):
+        plane_rows.index_copy_(0, idx, received[p].to(plane_rows.device))
 
 
 # -------------------------------------------------------------------------------------------------- one rank

@@ -27,7 +27,7 @@ import torch
 import xxhash
 
 from range_connector.backends.base import Backend, StripeWrite
-from range_connector.backends.tiered import TieredBackend
+from range_connector.backends.tiered import TieredBackend, leaf_backends
 from range_connector.config import RangeConfig
 from range_connector.errors import BackendError
 from range_connector.histograms import observe
@@ -45,6 +45,19 @@ from range_connector.worker.context import LoadContext
 from range_connector.worker.counters import Counters
 
 logger = logging.getLogger("vllm." + __name__)
+
+
+def follow_tier_reset(backends: Sequence[Backend]) -> None:
+    """After the scheduler reset the connector's cache: clear the in-process tiers behind ``backends`` (the
+    scheduler cleared the shared ones, whose saves from now on carry the new epoch). Never raises."""
+    for backend in leaf_backends(backends):
+        if backend.is_shared:
+            backend.refresh_epoch()
+            continue
+        try:
+            backend.clear()
+        except (BackendError, NotImplementedError) as exc:
+            logger.warning("Range reset: %s not cleared: %s", backend.name, exc)
 
 #: one chunk to save: its hash and the engine block ids of the whole chunk
 SaveChunk = tuple[ChunkHash, tuple[int, ...]]

@@ -213,7 +213,7 @@ def test_tickets_spread_over_a_huge_stripe_allocate_nothing_and_fail_the_load(se
     assert ext == 128 and set(blocks[:8]) == res.invalid_block_ids  # refused at the worker: all recomputed
     assert max(staged) <= loads.MAX_STAGED_POOLS * NUM_BLOCKS  # nothing sized from the lying stripe
     assert b.worker.banks.allocations == 0 or all(buf.numel() <= b.config.bank_bytes
-                                                  for buf in b.worker.banks._free)
+                                                  for buf, _fence in b.worker.banks._free)
     assert assert_oracle([(a, a_blocks)], b, "B-0", ext, [res]) == 0
     _finish(base, a, b, backends_for)
 

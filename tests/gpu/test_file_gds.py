@@ -1,7 +1,7 @@
 """File tier into CUDA memory through kvikio's CuFile (GPUDirect Storage, or kvikio's POSIX compatibility mode where
 the platform has no GDS driver).
 
-Skipped with the reason on machines without a CUDA device or without kvikio (``pip install .[gds]``); this
+Skipped with the reason on machines without a CUDA device or without kvikio (``pip install .[gds-cu13]``, or ``gds-cu12``); this
 project's CI has neither, so only the capability check runs there (``tests/backends/test_file_backend.py``)."""
 
 from __future__ import annotations
