@@ -14,10 +14,11 @@ over real HTTP (pytest-asyncio is not installed here); :class:`Stack` is a runni
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,7 +26,7 @@ import httpx
 from aiohttp import web
 from multidict import CIMultiDict
 
-from range_connector.serving.proxy import ProxyServer
+from range_connector.serving.proxy import ProxyConfig, ProxyServer
 
 T = TypeVar("T")
 
@@ -232,3 +233,35 @@ class Stack:
 def sse_events(raw: bytes) -> list[str]:
     """The ``data:`` payloads of a server-sent event stream, in order."""
     return [event.removeprefix("data: ") for event in raw.decode().split("\n\n") if event]
+
+
+@contextlib.contextmanager
+def running_stacks() -> Iterator[Callable[..., Stack]]:
+    """Yield ``start(prefills, decodes, fleet=False, **config)``: starts the stubs and a proxy on a free port in
+    front of them (a fleet: ``decodes`` are its engines), returns the :class:`Stack`; all are stopped on exit.
+    ``health_interval_s`` defaults to 0.1 s."""
+    with LoopThread() as loop:
+        stacks: list[Stack] = []
+
+        def start(prefills: list[StubEngine], decodes: list[StubEngine], fleet: bool = False,
+                  **config: Any) -> Stack:
+            for stub in prefills + decodes:
+                loop.run(stub.start())
+            config.setdefault("health_interval_s", 0.1)
+            decode_urls = tuple(stub.url for stub in decodes)
+            urls = {"engine_urls": decode_urls} if fleet else {
+                "prefill_urls": tuple(stub.url for stub in prefills), "decode_urls": decode_urls}
+            proxy = ProxyServer(ProxyConfig(**urls, port=0, **config))
+            loop.run(proxy.start())
+            stack = Stack(loop, proxy, prefills, decodes, httpx.Client(timeout=20.0))
+            stacks.append(stack)
+            return stack
+
+        try:
+            yield start
+        finally:
+            for stack in stacks:
+                stack.client.close()
+                loop.run(stack.proxy.stop())
+                for stub in stack.prefills + stack.decodes:
+                    loop.run(stub.stop())

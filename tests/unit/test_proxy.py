@@ -17,15 +17,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from range_connector.cli import main
-from range_connector.serving.proxy import Policy, ProxyConfig, ProxyServer
+from range_connector.serving.proxy import Policy
 from range_connector.testing.processes import free_port
-from tests.unit.stub_engines import RANGE_SETTINGS, LoopThread, Stack, StubEngine, sse_events
+from tests.unit.stub_engines import RANGE_SETTINGS, Stack, StubEngine, running_stacks, sse_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,28 +37,10 @@ CHAT = {"model": "tiny-gqa", "messages": [{"role": "user", "content": "Say somet
 @pytest.fixture
 def make_stack() -> Iterator[Callable[..., Stack]]:
     """Build a proxy on a free port with ``num_prefill`` and ``num_decode`` stub engines; stop all at teardown."""
-    with LoopThread() as loop:
-        stacks: list[Stack] = []
-
-        def make(num_prefill: int = 1, num_decode: int = 1, **config: Any) -> Stack:
-            prefills = [StubEngine(f"p{idx}") for idx in range(num_prefill)]
-            decodes = [StubEngine(f"d{idx}") for idx in range(num_decode)]
-            for stub in prefills + decodes:
-                loop.run(stub.start())
-            config.setdefault("health_interval_s", 0.1)
-            proxy = ProxyServer(ProxyConfig(prefill_urls=tuple(stub.url for stub in prefills),
-                                            decode_urls=tuple(stub.url for stub in decodes), port=0, **config))
-            loop.run(proxy.start())
-            stack = Stack(loop, proxy, prefills, decodes, httpx.Client(timeout=20.0))
-            stacks.append(stack)
-            return stack
-
-        yield make
-        for stack in stacks:
-            stack.client.close()
-            loop.run(stack.proxy.stop())
-            for stub in stack.prefills + stack.decodes:
-                loop.run(stub.stop())
+    with running_stacks() as start:
+        yield lambda num_prefill=1, num_decode=1, **config: start(
+            [StubEngine(f"p{idx}") for idx in range(num_prefill)],
+            [StubEngine(f"d{idx}") for idx in range(num_decode)], **config)
 
 
 # ------------------------------------------------------------------------------------------------------------------

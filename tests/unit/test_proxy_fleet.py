@@ -10,15 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from range_connector.cli import main
 from range_connector.serving.prefix_routing import TOKENS_PER_BLOCK, PrefixRecord, prompt_prefix_hashes
-from range_connector.serving.proxy import Policy, ProxyConfig, ProxyServer
-from tests.unit.stub_engines import RANGE_SETTINGS, LoopThread, Stack, StubEngine, sse_events
+from range_connector.serving.proxy import Policy
+from tests.unit.stub_engines import RANGE_SETTINGS, Stack, StubEngine, running_stacks, sse_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,26 +31,9 @@ def _body(prompt: Any, **extra: Any) -> dict[str, Any]:
 @pytest.fixture
 def make_fleet() -> Iterator[Callable[..., Stack]]:
     """A proxy on a free port in front of ``num_engines`` stub engines (fleet mode); all stopped at teardown."""
-    with LoopThread() as loop:
-        stacks: list[Stack] = []
-
-        def make(num_engines: int = 2, **config: Any) -> Stack:
-            engines = [StubEngine(f"e{idx}") for idx in range(num_engines)]
-            for stub in engines:
-                loop.run(stub.start())
-            config.setdefault("health_interval_s", 0.1)
-            proxy = ProxyServer(ProxyConfig(engine_urls=tuple(stub.url for stub in engines), port=0, **config))
-            loop.run(proxy.start())
-            stack = Stack(loop, proxy, [], engines, httpx.Client(timeout=20.0))
-            stacks.append(stack)
-            return stack
-
-        yield make
-        for stack in stacks:
-            stack.client.close()
-            loop.run(stack.proxy.stop())
-            for stub in stack.decodes:
-                loop.run(stub.stop())
+    with running_stacks() as start:
+        yield lambda num_engines=2, **config: start([], [StubEngine(f"e{idx}") for idx in range(num_engines)],
+                                                    fleet=True, **config)
 
 
 def _served_by(stack: Stack, body: dict[str, Any]) -> str:
@@ -75,8 +57,9 @@ def test_prompts_share_the_hashes_of_exactly_their_common_leading_blocks() -> No
     text = prompt_prefix_hashes(_body("x" * 200))
     assert text[:3] == prompt_prefix_hashes(_body("x" * 192 + "y"))[:3] and len(text) == 4
     assert prompt_prefix_hashes(_body(["x" * 200, "z"])) == text, "a batch routes on its first prompt"
-    chat = {"model": "tiny-gqa", "messages": [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "q"}]}
-    other = {"model": "tiny-gqa", "messages": [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "r"}]}
+    system = {"role": "system", "content": "s" * 300}
+    chat = {"model": "tiny-gqa", "messages": [system, {"role": "user", "content": "q"}]}
+    other = {"model": "tiny-gqa", "messages": [system, {"role": "user", "content": "r"}]}
     chat_hashes, other_hashes = prompt_prefix_hashes(chat), prompt_prefix_hashes(other)
     assert chat_hashes[:4] == other_hashes[:4] and chat_hashes[-1] != other_hashes[-1]
 
@@ -161,29 +144,15 @@ def test_a_fleet_with_no_healthy_engine_answers_503(make_fleet) -> None:
 
 @pytest.fixture
 def make_pd() -> Iterator[Callable[..., Stack]]:
-    with LoopThread() as loop:
-        stacks: list[Stack] = []
+    """A proxy in front of one prefill stub with ``prefill_settings`` and one decode stub per ``decode_settings``."""
+    def stub(name: str, settings: dict[str, Any] | None) -> StubEngine:
+        engine = StubEngine(name)
+        engine.behaviour.settings = settings
+        return engine
 
-        def make(prefill_settings: dict[str, Any] | None, decode_settings: list[dict[str, Any] | None]) -> Stack:
-            prefills, decodes = [StubEngine("p0")], [StubEngine(f"d{idx}") for idx in range(len(decode_settings))]
-            prefills[0].behaviour.settings = prefill_settings
-            for stub, value in zip(decodes, decode_settings, strict=True):
-                stub.behaviour.settings = value
-            for stub in prefills + decodes:
-                loop.run(stub.start())
-            proxy = ProxyServer(ProxyConfig(prefill_urls=(prefills[0].url,), decode_urls=tuple(s.url for s in decodes),
-                                            port=0, health_interval_s=0.1))
-            loop.run(proxy.start())
-            stack = Stack(loop, proxy, prefills, decodes, httpx.Client(timeout=20.0))
-            stacks.append(stack)
-            return stack
-
-        yield make
-        for stack in stacks:
-            stack.client.close()
-            loop.run(stack.proxy.stop())
-            for stub in stack.prefills + stack.decodes:
-                loop.run(stub.stop())
+    with running_stacks() as start:
+        yield lambda prefill_settings, decode_settings: start(
+            [stub("p0", prefill_settings)], [stub(f"d{idx}", value) for idx, value in enumerate(decode_settings)])
 
 
 def test_health_is_503_naming_the_key_when_no_decode_engine_matches_the_prefill_engines(make_pd) -> None:
