@@ -223,7 +223,8 @@ def decode_engine_view(engine: EngineCounts | None, decode_url: str) -> EngineCo
     vLLM counts a P/D prompt on both engines, so sums over both halve every share. This keeps the decode engine's
     entry of ``per_engine`` as ``totals`` (the connector check and the verified tier share follow from them) and
     shares (tier hits / prompt tokens), its own TTFT (``extra["per_engine_ttft_s"]``; without it, the mean from the
-    ``_sum``/``_count`` counters and no percentiles), and both engines' sums under ``extra["both_engines"]``.
+    ``_sum``/``_count`` counters and no percentiles), the tokens it loaded per tier as shares of its prompt tokens
+    (``extra["served_by_tier_share"]``), and both engines' sums under ``extra["both_engines"]``.
 
     Args:
         engine: ``ReplayReport.engine`` (a :class:`range_connector.bench.replay_metrics.EngineCounts`), or ``None``.
@@ -239,11 +240,13 @@ def decode_engine_view(engine: EngineCounts | None, decode_url: str) -> EngineCo
     ttft = engine.extra.get("per_engine_ttft_s", {}).get(decode_url) or {
         "count": count, "mean": decode["engine_ttft_sum_s"] / count if count else None,
         "p50": None, "p90": None, "p99": None}
+    by_tier = engine.extra.get("tier_tokens_per_engine", {}).get(decode_url, {})
     return dataclasses.replace(
         engine, totals=decode, engine_ttft_s=dict(ttft),
         external_hit_share=decode["external_hit_tokens"] / prompt if prompt else None,
         local_hit_share=decode["local_hit_tokens"] / prompt if prompt else None,
         extra={**engine.extra, "engine_rows_from": f"decode engine {decode_url}",
+               "served_by_tier_share": {tier: n / prompt for tier, n in sorted(by_tier.items()) if n} if prompt else {},
                "both_engines": {"totals": engine.totals, "engine_ttft_s": engine.engine_ttft_s}})
 
 

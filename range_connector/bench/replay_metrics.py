@@ -290,9 +290,12 @@ def engine_counts(before: MetricsSnapshot, after: MetricsSnapshot) -> EngineCoun
         per_engine_ttft[url] = _ttft(per_engine[url]["engine_ttft_count"], per_engine[url]["engine_ttft_sum_s"], mine)
     prompt = totals["prompt_tokens"]
     by_tier: dict[str, float] = {}
+    tier_tokens_per_engine: dict[str, dict[str, float]] = {}
     for url in readable:
         for tier, value in after.tier_tokens.get(url, {}).items():
-            by_tier[tier] = by_tier.get(tier, 0.0) + value - before.tier_tokens.get(url, {}).get(tier, 0.0)
+            delta = value - before.tier_tokens.get(url, {}).get(tier, 0.0)
+            by_tier[tier] = by_tier.get(tier, 0.0) + delta
+            tier_tokens_per_engine.setdefault(url, {})[tier] = delta
     return EngineCounts(
         totals=totals, per_engine=per_engine, prompt_by_source=sources,
         engine_ttft_s=_ttft(totals["engine_ttft_count"], totals["engine_ttft_sum_s"], buckets),
@@ -300,6 +303,7 @@ def engine_counts(before: MetricsSnapshot, after: MetricsSnapshot) -> EngineCoun
         local_hit_share=totals["local_hit_tokens"] / prompt if prompt else None,
         extra={"span_s": after.taken_at_s - before.taken_at_s,
                "served_by_tier_share": {t: v / prompt for t, v in sorted(by_tier.items()) if v} if prompt else {},
+               "tier_tokens_per_engine": tier_tokens_per_engine,
                "unreadable_engines": {**before.errors, **after.errors}, "per_engine_ttft_s": per_engine_ttft},
         range_engines=tuple(url for url in readable if RANGE_COUNTERS["range_loaded_tokens"] in after.counters[url]),
     )

@@ -67,8 +67,11 @@ def test_decode_engine_view_takes_the_decode_engines_counts() -> None:
     totals = {key: per_engine[prefill][key] + per_engine[decode][key] for key in COUNTERS}
     both = EngineCounts(totals=totals, per_engine=per_engine, prompt_by_source={},
                         engine_ttft_s={"count": 20, "mean": 0.5, "p50": 0.4, "p90": 0.9, "p99": 1.0},
-                        external_hit_share=850 / 2000, local_hit_share=500 / 2000, extra={"span_s": 1.0})
+                        external_hit_share=850 / 2000, local_hit_share=500 / 2000,
+                        extra={"span_s": 1.0, "served_by_tier_share": {"valkey": 850 / 2000},
+                               "tier_tokens_per_engine": {decode: {"valkey": 850.0}}})
     view = decode_engine_view(both, decode)
+    assert view.extra["served_by_tier_share"] == {"valkey": pytest.approx(0.85)}, "the decode engine's share"
     assert view.external_hit_share == pytest.approx(0.85) and view.local_hit_share == pytest.approx(0.10)
     assert view.prompt_tokens == 1000 and view.external_hit_tokens == 850
     assert view.engine_ttft_s["mean"] == pytest.approx(0.2) and view.engine_ttft_s["p99"] is None
