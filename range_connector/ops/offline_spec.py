@@ -156,10 +156,11 @@ def offline_tiers(config: RangeConfig) -> RangeConfig:
         except BackendError as exc:
             raise ConfigError("runtime_dir", str(exc)) from exc
         if len(urls) != config.num_shards:
+            hint = (f"set \"num_shards\": {len(urls)} in the config to use them" if urls else
+                    f"start them with `range-connector valkey start --shards {config.num_shards} "
+                    f"--runtime-dir {runtime_dir}` or by starting the engine")
             raise ConfigError("runtime_dir", f"{runtime_dir} records {len(urls)} embedded Valkey server(s), the "
-                                             f"config has {config.num_shards} shard(s) (tiers[{i}]); start them with "
-                                             f"`range-connector valkey start --shards {config.num_shards} "
-                                             f"--runtime-dir {runtime_dir}` or by starting the engine")
+                                             f"config has {config.num_shards} shard(s) (tiers[{i}]); {hint}")
         maxmemory_bytes = min((r.maxmemory_bytes for r in records if r.maxmemory_bytes), default=0)
         budget_bytes = tier.budget_bytes_for(maxmemory_bytes) if maxmemory_bytes else tier.budget_bytes
         tiers[i] = dataclasses.replace(tier, servers=tuple(urls), capacity_bytes=budget_bytes)

@@ -153,3 +153,16 @@ def test_bad_arguments_exit_2_with_one_line_naming_them(capsys, tmp_path, argv, 
     assert rc == 2, err
     assert err.count("\n") == 1 and named in err, err
     assert not (tmp_path / "rt").exists()  # (nothing was started or created)
+
+
+def test_a_shard_count_that_differs_from_the_running_servers_says_which_setting_to_change(capsys, stores, tmp_path):
+    """Two embedded servers run and the config says one shard: the fix is the config's num_shards, not another
+    ``valkey start`` (which would refuse, since two servers already run there)."""
+    config = json.loads(stores["config"].read_text())
+    del config["num_shards"]
+    path = tmp_path / "one-shard.json"
+    path.write_text(json.dumps(config))
+    rc, out, err = _run(capsys, "cache", "stats", "--config", str(path))
+    assert rc != 0 and out == ""
+    assert 'records 2 embedded Valkey server(s), the config has 1 shard(s)' in err
+    assert 'set "num_shards": 2 in the config' in err and "valkey start" not in err, err
