@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from range_connector.bench.handoff import fetch_traces, handoff_report
 from range_connector.bench.replay_metrics import EngineCounts, engine_counts, settle_metrics, snapshot_metrics
 from range_connector.bench.trace_prompts import PromptBuilder
 from range_connector.bench.traces import Trace
@@ -89,6 +90,8 @@ class RequestResult:
         output_token_ids: The generated token ids (empty when the server did not return them), to tell where two
             configurations' outputs part.
         error: ``None`` on success, else a one-line reason (HTTP status and body, timeout, connection error).
+        request_id: The ``X-Request-Id`` it was sent with (a proxy's ``/proxy/traces`` names it).
+        sent_wall_s: Wall-clock send time (``time.time()``), to join with a proxy's traces on the same host.
     """
 
     index: int
@@ -105,6 +108,8 @@ class RequestResult:
     output_digest: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    request_id: str | None = None
+    sent_wall_s: float | None = None
 
 
 @dataclass
@@ -119,6 +124,9 @@ class ReplayReport:
         engine: Deltas of the engines' ``/metrics`` over the measured requests; ``None`` without metrics URLs.
         results: Per measured request.
         warmup_results: Per warm-up request (not in any statistic).
+        handoff: When ``base_url`` is a Range proxy: each measured request's time split between the client, the
+            proxy, the prefill call and the decode call, and its percentiles
+            (:func:`range_connector.bench.handoff.handoff_report`); else ``None``.
     """
 
     label: str
@@ -128,6 +136,7 @@ class ReplayReport:
     engine: EngineCounts | None
     results: list[RequestResult] = field(default_factory=list)
     warmup_results: list[RequestResult] = field(default_factory=list)
+    handoff: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -139,6 +148,7 @@ class ReplayReport:
             "engine": None if self.engine is None else self.engine.to_dict(),
             "results": [asdict(r) for r in self.results],
             "warmup_results": [asdict(r) for r in self.warmup_results],
+            "handoff": self.handoff,
         }
 
 
@@ -155,7 +165,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 async def _send(client: Any, url: str, body: dict[str, Any], result: RequestResult, t_sent: float,
-                timeout_s: float) -> None:
+                timeout_s: float, headers: Mapping[str, str] | None = None) -> None:
     """Stream one completion into ``result`` (never raises for request failures)."""
     import httpx
 
@@ -163,7 +173,7 @@ async def _send(client: Any, url: str, body: dict[str, Any], result: RequestResu
     token_ids: list[int] = []
 
     async def stream() -> None:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code >= 400:
                 text = (await response.aread()).decode("utf-8", errors="replace")
                 result.error = _one_line(f"HTTP {response.status_code}: {text}")
@@ -253,11 +263,13 @@ async def replay_requests(base_url: str, requests: Sequence[ReplayRequest], *, m
         slots = asyncio.Semaphore(max_concurrency)
         bar = tqdm(total=len(requests), desc=description, unit="req", disable=not progress, leave=False)
         t0 = time.perf_counter()
+        run_tag = f"{description.replace(' ', '-')[:32]}-{int(time.time() * 1000) % 10**8}"
 
         async def one(request: ReplayRequest, result: RequestResult) -> None:
             await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.perf_counter()))
             async with slots:
-                t_sent = time.perf_counter()
+                result.request_id = f"replay-{run_tag}-{request.index}"
+                result.sent_wall_s, t_sent = time.time(), time.perf_counter()
                 result.sent_s = t_sent - t0
                 result.dispatch_delay_s = result.sent_s - request.arrival_s
                 body: dict[str, Any] = {
@@ -266,7 +278,8 @@ async def replay_requests(base_url: str, requests: Sequence[ReplayRequest], *, m
                     "stream_options": {"include_usage": True}, "return_token_ids": True,
                     **({"model": model} if model else {}), **(extra_body or {}),
                 }
-                await _send(client, url, body, result, t_sent, request_timeout_s)
+                await _send(client, url, body, result, t_sent, request_timeout_s,
+                            headers={"X-Request-Id": result.request_id})
             bar.update(1)
             if result.error is not None:
                 bar.set_postfix_str(f"errors: {sum(r.error is not None for r in results)}")
@@ -388,4 +401,4 @@ def run_replay(base_url: str, requests: Sequence[ReplayRequest], *, metrics_urls
     options = {"base_url": base_url, "metrics_urls": urls, "warmup": warmup, "max_concurrency": max_concurrency,
                "request_timeout_s": request_timeout_s, "model": model}
     return ReplayReport(label, None if trace is None else trace.describe(), options, summarize(results), engine,
-                        results, warm)
+                        results, warm, handoff_report(results, fetch_traces(base_url)))

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from range_connector.bench.handoff import format_handoff
 from range_connector.bench.replay import ReplayReport
 
 if TYPE_CHECKING:
@@ -190,6 +191,7 @@ def format_comparison(reports: Sequence[ReplayReport], baseline: str = "none") -
     lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [format_handoff(r) for r in reports if r.handoff]
     return "\n".join(lines)
 
 

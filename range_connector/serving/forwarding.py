@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from range_connector.serving.engines import Engine, EngineKind, EnginePool
+from range_connector.serving.request_traces import HandoffTrace
 
 __all__ = ["Forwarder", "Outcome", "Reply", "snippet"]
 
@@ -87,8 +88,10 @@ class Forwarder:
         self.outcomes = outcomes
         self._limits_s = dict(limits_s)
 
-    async def pass_stream(self, engine: Engine, response: aiohttp.ClientResponse, out: web.StreamResponse) -> None:
-        """Copy decode's event stream to the client unchanged; end it with an SSE error event if decode fails."""
+    async def pass_stream(self, engine: Engine, response: aiohttp.ClientResponse, out: web.StreamResponse,
+                          trace: HandoffTrace | None = None) -> None:
+        """Copy decode's event stream to the client unchanged; end it with an SSE error event if decode fails.
+        ``trace.first_chunk_s`` is stamped when the first bytes are passed on."""
         tail = b"\n\n"
         failure: Reply | None = None
         while True:
@@ -106,6 +109,8 @@ class Forwarder:
                 break
             if not chunk:
                 break
+            if trace is not None and trace.first_chunk_s is None:
+                trace.first_chunk_s = HandoffTrace.now()
             try:
                 await out.write(chunk)
             except ConnectionError:  # the client went away: closing the response makes decode abort the request

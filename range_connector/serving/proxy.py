@@ -21,8 +21,9 @@ For each ``POST /v1/completions`` or ``POST /v1/chat/completions`` the proxy
 Both calls carry one ``X-Request-Id`` and the client's ``Authorization`` header. Other endpoints: ``GET /health``
 (200 while at least one prefill and one decode engine are healthy and, as far as the describe probes tell, some
 healthy decode engine has the settings of some healthy prefill engine; else 503 with the reason),
-``GET /v1/models`` (forwarded to a decode engine) and ``GET /proxy/status`` (JSON: engines, health, in-flight and
-error counts, outcome counts).
+``GET /v1/models`` (forwarded to a decode engine), ``GET /proxy/status`` (JSON: engines, health, in-flight and
+error counts, outcome counts) and ``GET /proxy/traces`` (JSON: the timestamps of the last requests' prefill call,
+decode call and first streamed bytes, :mod:`range_connector.serving.request_traces`).
 
 **Settings contract (checked before decode).** A Range producer's ``kv_transfer_params`` carry
 ``{"range": {"settings": {...}}}``: a flat dict of every setting producer and consumer must share (model,
@@ -77,6 +78,7 @@ from range_connector.serving.engines import (
 from range_connector.serving.forwarding import Forwarder, Outcome, Reply, snippet
 from range_connector.serving.prefix_routing import prompt_prefix_hashes
 from range_connector.serving.proxy_config import DEFAULT_MAX_BODY_BYTES, ProxyConfig
+from range_connector.serving.request_traces import HandoffTrace, TraceLog
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Outcome", "Policy", "ProxyConfig", "ProxyServer", "serve_proxy"]
 
@@ -117,6 +119,7 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._said_no_params: set[str] = set()
+        self.traces = TraceLog()
         self.port = config.port
 
     @property
@@ -152,6 +155,7 @@ class ProxyServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/proxy/status", self._status)
+        app.router.add_get("/proxy/traces", self._traces)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -228,6 +232,9 @@ class ProxyServer:
             "engines": [engine.status() for engine in self.pool.all_engines()],
         })
 
+    async def _traces(self, request: web.Request) -> web.Response:
+        return web.json_response({"clock": "wall-clock seconds", "traces": self.traces.to_list()})
+
     async def _models(self, request: web.Request) -> web.Response:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
         try:
@@ -246,6 +253,7 @@ class ProxyServer:
 
     async def _generate(self, request: web.Request, path: str, *, is_chat: bool) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id") or f"proxy-{uuid.uuid4().hex}"
+        trace = self.traces.start(request_id)
         try:
             try:
                 body = await request.json()
@@ -257,19 +265,22 @@ class ProxyServer:
             hashes = prompt_prefix_hashes(body) if self.config.policy is Policy.PREFIX_AWARE else []
             if self.config.is_fleet:
                 return await self._decode(request, body, path, self.pool.ranked(EngineKind.ENGINE, hashes), headers,
-                                          hashes, EngineKind.ENGINE)
+                                          hashes, trace, EngineKind.ENGINE)
             if not any(engine.healthy for engine in self.pool.engines[EngineKind.DECODE]):
                 raise Reply(Outcome.NO_ENGINE, 503, "no healthy decode engine")  # do not prefill in vain
-            params, prefill_engine = await self._prefill(body, path, is_chat, headers, hashes)
+            params, prefill_engine = await self._prefill(body, path, is_chat, headers, hashes, trace)
             candidates = await self._decode_candidates(params, prefill_engine, body.get("model"), headers, request_id,
                                                        hashes)
             decode_body = {**body, "kv_transfer_params": params} if params is not None else body
-            return await self._decode(request, decode_body, path, candidates, headers, hashes)
+            return await self._decode(request, decode_body, path, candidates, headers, hashes, trace)
         except Reply as reply:
             self.outcomes[reply.outcome] += 1
             if reply.status >= 500 or reply.status == 409:
                 logger.warning("request %s: HTTP %d: %s", request_id, reply.status, reply.message)
+            trace.status = reply.status
             return reply.response()
+        finally:
+            trace.done_s = HandoffTrace.now()
 
     @staticmethod
     def _headers(request: web.Request, request_id: str | None) -> dict[str, str]:
@@ -286,13 +297,15 @@ class ProxyServer:
         return None
 
     async def _prefill(self, body: dict[str, Any], path: str, is_chat: bool, headers: dict[str, str],
-                       hashes: list[int]) -> tuple[dict[str, Any] | None, Engine]:
+                       hashes: list[int], trace: HandoffTrace) -> tuple[dict[str, Any] | None, Engine]:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
         call = self._forward.call(EngineKind.PREFILL, self.pool.ranked(EngineKind.PREFILL, hashes), "POST", path,
                                   _prefill_body(body, is_chat, self._known_decode_settings()), headers, timeout)
+        trace.prefill_sent_s = HandoffTrace.now()
         async with call as (engine, response):
             self.pool.record_sent(engine, hashes)
             data = await self._forward.read_answer(engine, response)
+        trace.prefill_answered_s, trace.prefill_url = HandoffTrace.now(), engine.url
         try:
             doc = json.loads(data)
         except ValueError:
@@ -347,22 +360,25 @@ class ProxyServer:
         return compatible
 
     async def _decode(self, request: web.Request, body: dict[str, Any], path: str, candidates: list[Engine],
-                      headers: dict[str, str], hashes: list[int],
+                      headers: dict[str, str], hashes: list[int], trace: HandoffTrace,
                       kind: EngineKind = EngineKind.DECODE) -> web.StreamResponse:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
                                         sock_read=self.config.decode_timeout_s)
         call = self._forward.call(kind, candidates, "POST", path, body, headers, timeout)
+        trace.decode_sent_s = HandoffTrace.now()
         async with call as (engine, response):
+            trace.decode_headers_s, trace.decode_url, trace.status = HandoffTrace.now(), engine.url, response.status
             self.pool.record_sent(engine, hashes)
             if not body.get("stream") or response.status >= 400:
                 data = await self._forward.read_answer(engine, response)
+                trace.first_chunk_s = HandoffTrace.now()
                 self.outcomes[Outcome.OK] += 1
                 return web.Response(status=response.status, body=data,
                                     headers={"Content-Type": response.headers.get("Content-Type", "application/json")})
             out = web.StreamResponse(status=response.status, headers={
                 "Content-Type": response.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
             await out.prepare(request)
-            await self._forward.pass_stream(engine, response, out)
+            await self._forward.pass_stream(engine, response, out, trace)
             return out
 
 

@@ -101,7 +101,7 @@ _SPECS: dict[tuple[str, str], dict[str, Any]] = {
     ("gqa", "tiny"): {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                       "head_dim": 64},
     ("gqa", "bench"): {"num_hidden_layers": 32, "num_attention_heads": 8, "num_key_value_heads": 8,
-                       "head_dim": 128},
+                       "head_dim": 128, "max_position_embeddings": 8192},  # bench/hit_ttft.py: 4,096 + 32 tokens
     ("mla", "tiny"): {**_MLA_COMMON, "num_hidden_layers": 4, "first_k_dense_replace": 4,
                       "num_attention_heads": 4, "num_key_value_heads": 4},
     ("mla", "bench"): {**_MLA_COMMON, "num_hidden_layers": 32, "first_k_dense_replace": 32,
