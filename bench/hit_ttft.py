@@ -7,11 +7,13 @@ tokenizer's normal vocabulary; every suffix starts with a token of its own):
 * engine ``none`` (no connector, vLLM's own prefix cache on): ``--cold-repeats`` prompts of fresh prefixes are
   **(c) not cached**; then the first of those prefixes with ``--repeats`` fresh suffixes is **(a) resident** (vLLM's
   prefix cache holds the prefix; ``usage.cached_tokens`` must say so);
-* one engine per ``--tiers`` entry (Range on that tier alone, vLLM's prefix cache off so the prefix can only come
-  from the tier): one prompt is computed and saved (``(c)`` with Range saving, reported too); once
-  ``vllm:range_saved_chunks_total`` shows the save, the same prefix with ``--repeats`` fresh suffixes is **(b) a hit
-  on the tier**, loaded again every time, counted from outside: vLLM's ``usage.cached_tokens`` and Range's
-  ``vllm:range_tier_loaded_tokens_total`` on ``/metrics``.
+* Range engines (vLLM's prefix cache off, so the prefix can only come from the tier), whose ``--repeats`` prompts
+  of one prefix and fresh suffixes are **(b) a hit on the tier**, loaded again every time and counted from outside:
+  vLLM's ``usage.cached_tokens`` and Range's ``vllm:range_tier_loaded_tokens_total`` on ``/metrics``. The first runs
+  every asked tier as a hierarchy (DRAM, Valkey, file): its one cold prompt saves the prefix to all of them
+  (``(c)`` with Range saving, reported too; the hits wait for ``vllm:range_saved_chunks_total``) and its hits come
+  from the nearest tier; each further engine runs one farther tier alone and loads the same prefix from it, saved
+  by the first (one embedded Valkey server and one file directory for all).
 
 A cold prefill of 4,096 tokens takes about 100 s on one core of the development machine (the bench model's
 attention over 32 layers), so (c) defaults to 3 samples where (a) and (b) take 10; ``--warmup`` hits before them
@@ -75,18 +77,16 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def tier_extra(tier: str, run_dir: Path, capacity_bytes: int, range_extra: dict[str, Any]) -> dict[str, Any]:
-    """``kv_connector_extra_config`` of Range on ``tier`` alone, one shard (embedded Valkey started here)."""
-    if tier == "dram":
-        tiers = [{"type": "memory", "capacity_bytes": capacity_bytes}]
-    elif tier == "valkey":
-        ensure_servers(1, run_dir / "valkey", maxmemory_bytes=capacity_bytes + capacity_bytes // 8)
-        tiers = [{"type": "valkey", "capacity_bytes": capacity_bytes}]
-    elif tier == "file":
-        tiers = [{"type": "file", "directory": str(run_dir / "files"), "capacity_bytes": capacity_bytes}]
-    else:
-        raise ValueError(f"--tiers: unknown tier {tier!r} (known: {', '.join(TIERS)})")
-    return {**range_extra, "tiers": tiers, "num_shards": 1, "runtime_dir": str(run_dir / "valkey")}
+def tier_extra(tiers: list[str], shared_dir: Path, capacity_bytes: int, range_extra: dict[str, Any]) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of Range on ``tiers`` (nearest first), one shard, on one embedded Valkey server
+    and one file directory under ``shared_dir`` (so that an engine on one tier finds what another engine saved)."""
+    tables = {"dram": {"type": "memory", "capacity_bytes": capacity_bytes},
+              "valkey": {"type": "valkey", "capacity_bytes": capacity_bytes},
+              "file": {"type": "file", "directory": str(shared_dir / "files"), "capacity_bytes": capacity_bytes}}
+    if "valkey" in tiers:
+        ensure_servers(1, shared_dir / "valkey", maxmemory_bytes=capacity_bytes + capacity_bytes // 8)
+    return {**range_extra, "tiers": [tables[t] for t in tiers], "num_shards": 1,
+            "runtime_dir": str(shared_dir / "valkey")}
 
 
 def make_prompts(vocab: list[int], seed: int, num_prefixes: int, num_suffixes: int, prefix_tokens: int,
@@ -153,9 +153,10 @@ def measure_wire_s(extra: dict[str, Any], num_layers: int, layer_bytes: int, rep
 
 
 def run_engine(name: str, args: argparse.Namespace, model_dir: Path, run_dir: Path, kv_config: str | None,
-               prefixes: list[list[int]], suffixes: list[list[int]], chunks_per_prefix: int) -> dict:
-    """Start one engine; send the cold prompts (one per prefix), then ``prefixes[0]`` with every suffix, one at a
-    time; stop it. TTFTs, and per hit the counters that show where its prefix came from."""
+               prefixes: list[list[int]], suffixes: list[list[int]], chunks_per_prefix: int, cold: bool) -> dict:
+    """Start one engine; send the cold prompts (one per prefix, unless not ``cold``: another engine saved the
+    prefix), then ``prefixes[0]`` with every suffix, one at a time; stop it. TTFTs, and per hit the counters that
+    show where its prefix came from."""
     extra_args = ["--enable-prompt-tokens-details"]
     if kv_config is not None:
         extra_args.append("--no-enable-prefix-caching")
@@ -169,12 +170,12 @@ def run_engine(name: str, args: argparse.Namespace, model_dir: Path, run_dir: Pa
         startup_s = server.wait_ready(timeout_s=args.startup_timeout_s)
         _log(f"{name}: ready after {startup_s:.1f} s (log {server.log_path})")
         saved = scrape_metrics(server.base_url).get("vllm:range_saved_chunks_total", 0.0)
-        for prefix in prefixes:
-            cold = complete(server.base_url, prompt_token_ids=prefix + suffixes[-1], max_tokens=1,
+        for prefix in prefixes if cold else []:
+            cold_answer = complete(server.base_url, prompt_token_ids=prefix + suffixes[-1], max_tokens=1,
                             timeout_s=args.request_timeout_s)
-            cold_s.append(cold.ttft_s)
-            _log(f"{name}: cold {cold.ttft_s:.3f} s (cached {cold.cached_tokens})")
-        if kv_config is not None:  # the saves must be on the tier before the hits look them up
+            cold_s.append(cold_answer.ttft_s)
+            _log(f"{name}: cold {cold_answer.ttft_s:.3f} s (cached {cold_answer.cached_tokens})")
+        if kv_config is not None and cold:  # the saves must be on the tier before the hits look them up
             saved += chunks_per_prefix * len(prefixes)
             wait_for_metric(server.base_url, "vllm:range_saved_chunks_total", saved, timeout_s=60.0)
         for i, suffix in enumerate(suffixes[:-1]):
@@ -238,7 +239,9 @@ def format_table(result: dict[str, Any]) -> str:
                      f"  {'ok' if v['excess_ok'] else 'over'}/{'ok' if v['speedup_ok'] else 'under'}"
                      f"{'' if v['all_hits'] else ' (misses!)'}")
     for tier in result["verdicts"]:
-        lines.append(f"{'(c) with Range ' + tier + ' saving':<28}{f(result['engines'][tier]['cold_ttft_s_median']):>12}")
+        eng = result["engines"][tier]
+        if eng["cold_ttft_s"]:
+            lines.append(f"{'(c) Range saving to ' + '+'.join(eng['tiers']):<28}{f(eng['cold_ttft_s_median']):>12}")
     lines.append(f"plain copy of {result['prefix_kv_bytes'] / GIB:.3f} GiB into the KV cache: "
                  f"{f(result['copy_s_median'])} (median of {len(result['copy_s'])})")
     return "\n".join(lines)
@@ -308,28 +311,34 @@ def main(argv: list[str] | None = None) -> int:
                                       args.block_size * bytes_per_token // num_layers, args.repeats)
     result["copy_s_median"] = _median(result["copy_s"])
     work_dir = Path(tempfile.mkdtemp(prefix="range-hit-ttft-"))
+    shared_dir = work_dir / "tiers"
+    # The first Range engine runs every asked tier as a hierarchy (nearest first): its one cold prompt saves the
+    # prefix to all of them (write-through) and its hits come from the nearest; each further engine runs one
+    # farther tier alone and loads the same prefix from it without computing it again (100 s a time here).
+    order = [t for t in TIERS if t in args.tier_list]
+    engines = [("none", None), (order[0], order), *((t, [t]) for t in order[1:])]
     try:
-        for name in ("none", *args.tier_list):
+        for idx, (name, tiers) in enumerate(engines):
             run_dir = work_dir / name
             run_dir.mkdir(parents=True)
-            prefixes, suffixes = make_prompts(vocab, 1_000 * (1 + len(result["engines"])),  # prompts of its own
+            prefixes, suffixes = make_prompts(vocab, 1_000 if name == "none" else 2_000,
                                               args.cold_repeats if name == "none" else 1, num_suffixes,
                                               args.prefix_tokens, args.suffix_tokens)
-            extra = None if name == "none" else tier_extra(name, run_dir, args.tier_capacity_bytes,
-                                                            args.range_extra_dict)
-            try:
-                eng = run_engine(name, args, model_dir, run_dir, None if extra is None else connector_config(extra),
-                                 prefixes, suffixes, args.prefix_tokens // chunk_tokens)
-                if name in ("valkey", "file"):
-                    eng["wire_s"] = measure_wire_s(extra, num_layers, layer_bytes, args.repeats)
-                    eng["wire_s_median"] = _median(eng["wire_s"])
-                result["engines"][name] = eng
-            finally:
-                if name == "valkey":
-                    stop_servers(run_dir / "valkey")
+            extra = None if tiers is None else tier_extra(tiers, shared_dir, args.tier_capacity_bytes,
+                                                          args.range_extra_dict)
+            eng = run_engine(name, args, model_dir, run_dir, None if extra is None else connector_config(extra),
+                             prefixes, suffixes, args.prefix_tokens // chunk_tokens, cold=idx <= 1)
+            eng["tiers"] = tiers
+            if name in ("valkey", "file"):
+                eng["wire_s"] = measure_wire_s(tier_extra([name], shared_dir, args.tier_capacity_bytes, {}),
+                                               num_layers, layer_bytes, args.repeats)
+                eng["wire_s_median"] = _median(eng["wire_s"])
+            result["engines"][name] = eng
     except Exception as exc:  # noqa: BLE001  (one line and the exit status; the traceback is the engines' logs)
         _log(f"FAILED: {type(exc).__name__}: {exc} (logs under {work_dir})")
         return 1
+    finally:
+        stop_servers(shared_dir / "valkey")
     result["verdicts"] = verdicts(result)
     result["run"] = {"command": [sys.executable, *sys.argv], "model": str(model_dir), "loadavg_start": load_start,
                      "machine": bench_common.machine_info(), "versions": bench_common.versions(),

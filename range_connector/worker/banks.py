@@ -15,6 +15,7 @@ thread waits for that fence before it fills the bank again, so the consumer neve
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -62,14 +63,23 @@ class BankPool:
         self.in_use = 0
         self.allocated_bytes = 0
 
-    def acquire(self, nbytes: int, timeout_s: float) -> TransferBank:
+    def acquire(self, nbytes: int, timeout_s: float | Callable[[Callable[[float], bool]], bool]) -> TransferBank:
         """Take a free bank of at least ``nbytes`` bytes, waiting up to ``timeout_s`` for one to be released, and for
         the copies still reading it (its fence: a host wait, on the calling thread, the bank reader).
+
+        Args:
+            nbytes: the bank's size in bytes.
+            timeout_s: seconds, or a waiting policy ``wait(try_acquire) -> bool`` that calls
+                ``try_acquire(timeout_s)`` until it succeeds or gives up (a layer-pipelined load's, whose deadline
+                moves while its forward computes: :attr:`~range_connector.worker.loads.LoadJob.deadline`).
 
         Raises:
             BackendTimeoutError: no bank was released in time.
         """
-        if not self._slots.acquire(timeout=max(0.0, timeout_s)):
+        if callable(timeout_s):
+            if not timeout_s(lambda t: self._slots.acquire(timeout=t)):
+                raise BackendTimeoutError("no transfer bank free before the load's deadline")
+        elif not self._slots.acquire(timeout=max(0.0, timeout_s)):
             raise BackendTimeoutError(f"no transfer bank free within {timeout_s:.3f} s")
         try:
             with self._lock:
@@ -115,8 +125,10 @@ class BankReader:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-bank-reader")
 
-    def submit(self, pool: BankPool, nbytes: int, fill, timeout_s: float) -> TransferBank:
+    def submit(self, pool: BankPool, nbytes: int, fill,
+               timeout_s: float | Callable[[Callable[[float], bool]], bool]) -> TransferBank:
         """Queue ``fill(buffer)`` for a bank of ``nbytes``; return the bank whose ``done`` future completes.
+        ``timeout_s``: how long the bank may be waited for (:meth:`BankPool.acquire`).
 
         If the consumer abandons the bank (deadline passed) before the fill ends, the reader releases it itself.
         """

@@ -6,7 +6,7 @@ that can lend them: the in-process DRAM tier), or queues one read per layer grou
 thread (:mod:`range_connector.worker.banks`): into a bank, or, when the KV cache is in host memory and the tier can
 scatter, straight into the destination blocks (:mod:`range_connector.worker.direct_receive`).
 :meth:`LoadJob.deliver_through` then delivers the groups up to a layer, in order: it waits for the group's read (bounded
-by the job's deadline), verifies the chunks against their checksums and, from a bank, copies them into the destination
+by the job's deadline: see :attr:`LoadJob.deadline` for what it bounds), verifies the chunks against their checksums and, from a bank, copies them into the destination
 blocks with one batched index copy per (layer, plane). Who calls it decides the load mode (docs/architecture.md, "The
 path of one request"):
 
@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm." + __name__)
 
 _NEVER = 1 << 62
+#: longest single wait of a thread whose deadline may move (a layer-pipelined load's: see LoadJob.deadline)
+_WAIT_SLICE_S = 0.05
 
 #: the rows a load stages per (layer, plane), gaps included, are at most this many times the registered KV pool's
 #: blocks (a legitimate load writes at most one pool's blocks; the rest allows for gaps inside stripes)
@@ -66,7 +68,8 @@ class LoadJob:
     Args:
         context: what the job may use of its worker: KV rows, backends, banks, threads and counters.
         reqs: the requests' load plans (from the scheduler's metadata).
-        deadline: ``time.monotonic()`` after which nothing more is waited for (those chunks fail).
+        deadline: ``time.monotonic()`` after which nothing more is waited for (those chunks fail), as the job
+            starts (see :attr:`deadline`).
         mode: ``"pipelined"``, ``"async"`` or ``"sync"`` (who delivers: see the module docstring).
 
     Attributes:
@@ -80,7 +83,11 @@ class LoadJob:
         layout = context.layout
         self.w = context
         self.reqs = reqs
-        self.deadline = deadline
+        self._deadline_at_start_s = deadline
+        #: a layer-pipelined job: seconds the forward computed between two deliveries, and since when it has been
+        #: computing (``None``: it is waiting in :meth:`deliver_through`, or the job is not pipelined)
+        self._computed_s = 0.0
+        self._computing_since_s: float | None = None
         self.mode = mode
         self.lock = threading.Lock()
         self.closed = False
@@ -109,6 +116,30 @@ class LoadJob:
         self.lent: LentViews | None = None
         self._delivered: list[threading.Event] = []  # direct receive: per layer group, delivered (or cancelled)
         self.done: list[tuple[ChunkHash, list[int], list[int]]] = []  # filled by finish()
+
+    @property
+    def deadline(self) -> float:
+        """``time.monotonic()`` after which nothing more is waited for (those chunks fail).
+
+        It bounds the time spent waiting for the tier, not the compute that paces a layer-pipelined load: while the
+        forward computes between two deliveries, the deadline moves on with the clock (the reads wait for banks
+        that attention frees, and views need no waiting at all). Without that, a hit whose own forward takes
+        longer than the load's deadline (a 4,096-token prefix under a 32-layer model on a CPU: 1.3 s against a
+        0.25 s deadline) was cut after its first layers and recomputed in full, although every byte was in reach.
+        Asynchronous and synchronous jobs wait from start to end: theirs stays where it started.
+        """
+        since = self._computing_since_s
+        return self._deadline_at_start_s + self._computed_s + (0.0 if since is None else time.monotonic() - since)
+
+    def _wait_paced(self, wait) -> bool:
+        """``wait(timeout_s) -> bool`` in slices until it returns true, the (moving) deadline passes or the job is
+        cancelled; whether it returned true."""
+        while True:
+            remaining_s = self.deadline - time.monotonic()
+            if wait(min(max(0.0, remaining_s), _WAIT_SLICE_S)):
+                return True
+            if remaining_s <= _WAIT_SLICE_S or self._cancelled.is_set():
+                return False
 
     # ------------------------------------------------------------------ set-up
     def _fail(self, req_id: str, chunk_idx: int) -> None:
@@ -172,6 +203,8 @@ class LoadJob:
             self.lent.start()
         else:
             self._start_banked()
+        if self.mode == PIPELINED:  # the forward computes until attention asks for its first layer
+            self._computing_since_s = time.monotonic()
 
     def _read_shard(self, s: int, reads: list[RangeRead]) -> None:
         """One batched ranged read of one shard (into a bank, or straight into the KV cache)."""
@@ -225,8 +258,7 @@ class LoadJob:
             self._delivered = [threading.Event() for _ in self.groups]
             self._fills = [w.reader.submit_task(self._fill_for(g)) for g in self.groups]
             return
-        timeout_s = max(0.0, self.deadline - time.monotonic())
-        self._banks = [w.reader.submit(w.banks, len(g) * layer_bytes, self._fill_for(g), timeout_s)
+        self._banks = [w.reader.submit(w.banks, len(g) * layer_bytes, self._fill_for(g), self._wait_paced)
                        for g in self.groups]
 
     def _fill_for(self, group: range):
@@ -239,7 +271,7 @@ class LoadJob:
             if buffer is None:
                 assert self.direct is not None
                 behind = self.groups.index(group) - w.config.num_banks
-                if behind >= 0 and not self._delivered[behind].wait(max(0.0, self.deadline - time.monotonic())):
+                if behind >= 0 and not self._wait_paced(self._delivered[behind].wait):
                     raise BackendTimeoutError("the load deadline passed before earlier layer groups were delivered")
                 if self._cancelled.is_set():
                     return
@@ -283,20 +315,28 @@ class LoadJob:
         """Deliver every layer group up to the one holding ``layer_idx`` (in order), waiting at most until the
         deadline. Thread: whoever drives this job (only one at a time)."""
         last = self.group_of(min(layer_idx, self.num_layers - 1))
-        while self._next_group <= last:
-            g = self._next_group
-            self._next_group += 1
-            if self.lent is not None:
-                self.lent.deliver(g)
-            elif self.direct is not None:
-                self._deliver_direct_group(g)
-            else:
-                self._deliver_bank_group(g)
-            now = time.monotonic()
-            for layer in self.groups[g]:
-                self.layer_delivered_s[layer] = now
-            if self._delivered:
-                self._delivered[g].set()
+        since = self._computing_since_s
+        if since is not None:  # the forward computed until now: that time is not the tier's (see deadline)
+            self._computed_s += time.monotonic() - since
+            self._computing_since_s = None
+        try:
+            while self._next_group <= last:
+                g = self._next_group
+                self._next_group += 1
+                if self.lent is not None:
+                    self.lent.deliver(g)
+                elif self.direct is not None:
+                    self._deliver_direct_group(g)
+                else:
+                    self._deliver_bank_group(g)
+                now = time.monotonic()
+                for layer in self.groups[g]:
+                    self.layer_delivered_s[layer] = now
+                if self._delivered:
+                    self._delivered[g].set()
+        finally:
+            if self.mode == PIPELINED and not self.closed and self._next_group < len(self.groups):
+                self._computing_since_s = time.monotonic()
 
     def _give_up(self, g: int, why: str) -> None:
         """Layers from group ``g`` on will not be delivered: every chunk of the job fails."""
@@ -392,6 +432,7 @@ class LoadJob:
         """Stop: no more writes into the KV cache (waits for a copy in progress), fills not started do nothing,
         banks still in flight are released by the reader when their fill ends."""
         self._cancelled.set()
+        self._computing_since_s = None
         self._gate.close()
         with self.lock:
             self.closed = True
