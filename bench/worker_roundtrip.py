@@ -156,9 +156,10 @@ class RoundTrip:
     @classmethod
     def build(cls, cfg: RangeConfig, shape: KVShape, save_backends: list[Backend], load_backends: list[Backend], *,
               num_chunks: int, device: str | torch.device = "cpu", loader_device: CopyDevice | None = None,
-              seed: int = 0) -> RoundTrip:
+              seed: int = 0, compat_device_reads: bool = False) -> RoundTrip:
         """Save ``num_chunks`` chunks of random KV (from shuffled blocks) through ``save_backends``; register a
-        loader over ``load_backends`` (``loader_device``: its device seam, default the tensors' own).
+        loader over ``load_backends`` (``loader_device``: its device seam, default the tensors' own;
+        ``compat_device_reads``: see ``RangeWorker.register_kv_caches``).
 
         Raises:
             RuntimeError: a chunk was not saved, or the KV pool is too small for ``num_chunks``.
@@ -179,7 +180,7 @@ class RoundTrip:
             raise RuntimeError(f"saved {len(tickets)} of {len(hashes)} chunks: {dict(saver.stats)}")
         dst = shape.allocate(device)
         loader = RangeWorker(cfg, shape.block_size, shape.layer_names, shape.num_blocks, load_backends)
-        loader.register_kv_caches(dst, device=loader_device)
+        loader.register_kv_caches(dst, device=loader_device, compat_device_reads=compat_device_reads)
         return cls(shape, saver, loader, src, dst, list(hashes), tickets, src_ids, num_tokens)
 
     def load_meta(self, dst_ids: Sequence[int], *, mode: str = "pipelined", req_id: str = "load"
