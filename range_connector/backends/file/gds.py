@@ -132,6 +132,21 @@ def probe_gds(root: str | Path, *, empty: Callable[[int], Any], read_back: Calla
     return GdsSetup(io_path, note, device_loads=not compat or allow_compat, kvikio_version=version)
 
 
+def gds_report(root: str | Path) -> dict[str, Any]:
+    """What a worker with its KV cache on CUDA would find here, for ``range-connector doctor``: ``{"io_path",
+    "reason", "line"}`` (``line``: :meth:`GdsSetup.describe`). Runs :func:`probe_gds` in ``root`` when kvikio and
+    a CUDA device are present (on the first device, through torch), else reports why not. Never raises."""
+    ok, reason = gds_status()
+    if not ok:
+        return {"io_path": "posix", "reason": reason,
+                "line": f"off ({reason}): a KV cache on CUDA loads with POSIX into pinned banks"}
+    import torch
+
+    setup = probe_gds(root, empty=lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"),
+                      read_back=lambda buf: buf.cpu())
+    return {"io_path": setup.io_path, "reason": setup.reason, "line": setup.describe()}
+
+
 def _host_bytes(value: Any) -> Any:
     """A host tensor's bytes as a buffer (``numpy()`` of a uint8 tensor), or ``value`` itself."""
     numpy = getattr(value, "numpy", None)
