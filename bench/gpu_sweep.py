@@ -3,8 +3,9 @@
 For each tier (DRAM, files, one embedded Valkey server when ``valkey-server`` is found; on CUDA with kvikio also
 ``file-device``: files read straight into device memory, kvikio's compatibility mode allowed) and each number of chunks
 ``N``, the real worker half (:mod:`bench.worker_roundtrip`) saves ``N`` chunks and loads them back, layer-pipelined
-as vLLM's runner does, into KV tensors on ``--device`` in FlashAttention's layout (``[2, num_blocks, block_size,
-heads, head_size]``) on CUDA, the CPU layout on CPU. It records:
+as vLLM's runner does, into KV tensors on ``--device``: on CUDA as vLLM 0.32 hands them to a connector under
+FlashAttention (``[num_blocks, heads, block_size, 2 * head_size]`` views of token-major pages, ``KVCacheLayout.LBNHC``;
+``tests/gpu`` covers the two-plane ``[2, num_blocks, ...]`` layout), the CPU layout on CPU. It records:
 
 * ``gib_per_s``: bytes loaded (all layers) / seconds from ``start_load`` until the last layer's copy has landed;
 * ``first_layer_s``: seconds from ``start_load`` until the first layer's copy has landed (what attention waits);
@@ -127,9 +128,9 @@ def run_point(tier: str, shape: KVShape, num_chunks: int, device: str, root: Pat
         num_bytes = len(dst_ids) * shape.block_bytes * shape.num_layers
         exact = rt.matches(dst_ids)
         name = shape.layer_names[-1]  # flip one byte of one loaded block: the comparison must catch it
-        block = (0, dst_ids[-1]) if shape.layout == "flash" else (dst_ids[-1],)  # (K plane on flash: contiguous)
-        flat = rt.dst[name].view(torch.uint8)[block].view(-1)
-        flat[7] ^= 1
+        kv = rt.dst[name].view(torch.uint8)
+        block = (0, dst_ids[-1]) if shape.layout == "flash" else (dst_ids[-1],)  # (K plane on flash)
+        kv[(*block, *[0] * (kv.dim() - len(block) - 1), 7)] ^= 1  # (one element: in place in any layout)
         caught = not rt.matches(dst_ids) and torch.equal(
             block_view(rt.dst[shape.layer_names[0]], shape.layout, dst_ids),
             block_view(rt.src[shape.layer_names[0]], shape.layout, rt.src_ids))
@@ -157,7 +158,7 @@ def _valkey(runtime_dir: Path) -> str | None:
 def sweep(device: str, size: str) -> dict:
     """The whole sweep as one JSON-ready document (module docstring)."""
     shape_args, counts = SIZES[size]
-    layout = "cpu" if device == "cpu" else "flash"
+    layout = "cpu" if device == "cpu" else "lbnhc"
     shape = KVShape(layout=layout, **shape_args)
     gds_ok, gds_reason = gds_status()
     doc: dict = {"device": device, "size": size, "layout": layout, "shape": dict(shape_args),

@@ -23,18 +23,19 @@ pytestmark = [
 ]
 
 
-def _trip(tmp_path: Path):
+def _trip(tmp_path: Path, layout: str = "flash"):
     from bench.worker_roundtrip import KVShape, RoundTrip, config
 
     cfg = config("file", directory=str(tmp_path), num_banks=2, bank_bytes=1 << 20)
-    shape = KVShape(num_layers=6, num_blocks=256, num_kv_heads=4, head_size=128, layout="flash")
+    shape = KVShape(num_layers=6, num_blocks=256, num_kv_heads=4, head_size=128, layout=layout)
     return RoundTrip.build(cfg, shape, [FileBackend(tmp_path / "s", timeout_s=60.0)],
                            [FileBackend(tmp_path / "s", timeout_s=60.0)], num_chunks=16, device="cuda",
                            compat_device_reads=True)
 
 
-def test_file_stripes_load_into_cuda_kv_through_device_banks(tmp_path: Path) -> None:
-    rt = _trip(tmp_path)
+@pytest.mark.parametrize("layout", ["flash", "lbnhc"])  # (lbnhc: vLLM 0.32's token-major pages)
+def test_file_stripes_load_into_cuda_kv_through_device_banks(tmp_path: Path, layout: str) -> None:
+    rt = _trip(tmp_path, layout)
     try:
         gds = rt.loader.backends[0].gds
         assert gds is not None and gds.io_path in ("gds", "compat") and gds.device_loads, gds

@@ -131,19 +131,20 @@ def log_lines():
 
 
 def _trip(tmp_path: Path, kvikio: FakeKvikio | None, monkeypatch: pytest.MonkeyPatch, dev: DeviceTwin, *,
-          num_layers: int = 4, compat_device_reads: bool = False) -> RoundTrip:
+          num_layers: int = 4, compat_device_reads: bool = False, layout: str = "flash") -> RoundTrip:
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)  # (None: ``import kvikio`` raises ImportError)
     cfg = config("file", directory=str(tmp_path), num_banks=2, bank_bytes=1 << 16)
-    shape = KVShape(num_layers=num_layers, layout="flash")  # (K and V planes: 2 reads per layer and segment)
+    shape = KVShape(num_layers=num_layers, layout=layout)  # (flash: K and V planes, 2 reads per layer and segment)
     save_b, load_b = FileBackend(tmp_path / "s", timeout_s=30.0), FileBackend(tmp_path / "s", timeout_s=30.0)
     return RoundTrip.build(cfg, shape, [save_b], [load_b], num_chunks=4, loader_device=dev,
                            compat_device_reads=compat_device_reads)
 
 
+@pytest.mark.parametrize("layout", ["flash", "lbnhc"])  # (lbnhc: vLLM 0.32's token-major pages)
 def test_twin_loads_file_stripes_through_device_banks_and_checks_the_host_copy(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_lines: list) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_lines: list, layout: str) -> None:
     dev, kvikio = DeviceTwin(), FakeKvikio()
-    rt = _trip(tmp_path, kvikio, monkeypatch, dev)
+    rt = _trip(tmp_path, kvikio, monkeypatch, dev, layout=layout)
     try:
         backend = rt.loader.backends[0]
         assert backend.gds.io_path == "gds" and backend.gds.device_loads
