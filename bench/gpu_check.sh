@@ -7,12 +7,14 @@
 # Steps (each under a time limit; a failing step does not stop the others):
 #   0. wheels: installs what bench/fetch_gpu_wheels.sh put in .whl/gpu (cp312, for the GPU machine) into
 #      .whl/site, with pip --no-index (nothing is downloaded); skipped when the folder is absent or with --cpu
-#   1. tests: the `gpu` tests (tests/gpu) and their CPU twins (tests/unit/test_device_seam.py, test_pcp_device.py),
+#   1. tests: the `gpu` tests (tests/gpu) and their CPU twins (tests/unit/test_device_seam.py, test_pcp_device.py,
+#      test_device_reads.py),
 #      JUnit XML in tests.xml; on CPU the gpu tests skip with their reason
 #   2. data path: tests/unit/data_path_child.py with vLLM made unimportable, into CUDA KV tensors in FlashAttention's
 #      layout (CPU layout with --cpu): data_path.json
 #   3. sweep: bench/gpu_sweep.py (GiB/s per tier against the pinned H2D and D2D limits, first-layer time, flatness
-#      over N, a corruption check that must fail): sweep.json
+#      over N, a corruption check that must fail, the I/O path the file tier's loads ran: GDS, kvikio's
+#      compatibility mode or POSIX, with the start-up GPUDirect probe's verdict): sweep.json
 # Then bench/gpu_check_report.py merges them into gpu_check.json (schema: that module's docstring), prints a summary,
 # and its exit status is this script's. Everything goes under $OUT when set (the device machine's result folder),
 # else bench/results/gpu_check; the whole output is also in gpu_check.log there.
@@ -50,7 +52,7 @@ echo "== gpu_check mode=$MODE python=$("$PY" -c 'import sys; print(sys.version.s
 
 echo "== 1. tests (gpu-marked, and their CPU twins)"
 timeout "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs --junitxml="$OUT_DIR/tests.xml" \
-  tests/gpu tests/unit/test_device_seam.py tests/unit/test_pcp_device.py
+  tests/gpu tests/unit/test_device_seam.py tests/unit/test_pcp_device.py tests/unit/test_device_reads.py
 RC_TESTS=$?
 
 echo "== 2. data path without vLLM ($DEVICE, $LAYOUT layout)"

@@ -7,10 +7,17 @@ the steps left in ``OUT_DIR`` (``tests.xml``: pytest's JUnit XML; ``data_path.js
     {"schema": "range-gpu-check/1", "mode": "cpu" | "cuda", "ok": bool,
      "steps": {"tests": {"rc": int, "passed": int, "failed": int, "skipped": int, "skip_reasons": [str]},
                "data_path": {"rc": int, "cases": {case: {"byte_exact": bool, "failed_blocks": [int], ...}}},
-               "sweep": {"rc": int, "io_path": "gds" | "compat" | "none" | "unknown",
+               "sweep": {"rc": int, "io_path": "gds" | "compat" | "posix" | "none" | "unknown",
+                         "probe": {"io_path": str, "reason": str, "device_loads": bool} | null,
                          "limits": {"h2d_pinned_gib_per_s": float, "d2d_gib_per_s": float},
                          "tiers": {tier: {"gib_per_s": [float], "first_layer_s": [float], "flatness": float,
-                                          "byte_exact": bool, "check_catches_corruption": bool}}}}}
+                                          "byte_exact": bool, "check_catches_corruption": bool,
+                                          "io_path": str | null}}}}}
+
+``io_path`` is the I/O path the file tier's loads ran with this machine's set-up: ``"gds"`` (kvikio cuFile into
+device memory), ``"compat"`` (kvikio's compatibility mode into device memory), ``"posix"`` (POSIX reads into host
+banks: no CUDA, or the start-up GPUDirect probe failed or chose it; ``probe`` says which and why). Each file tier
+has its own (``file-device``: files read into device memory with kvikio's compatibility mode allowed, on CUDA).
 
 ``ok`` is true when every step exited 0, no test failed, every load was byte-exact, and the corruption check caught
 its flipped byte. Exit status: 0 when ``ok``, else 1. :func:`validate` lists what a document lacks (the smoke test
@@ -27,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "range-gpu-check/1"
+#: the values of ``steps.sweep.io_path`` (module docstring; ``"none"``: written by checks before the probe existed)
+IO_PATHS = ("gds", "compat", "posix", "none", "unknown")
 
 
 def junit_counts(path: Path) -> dict[str, Any]:
@@ -60,12 +69,14 @@ def build(out_dir: Path, mode: str, rcs: dict[str, int]) -> dict:
         tiers[tier] = {"num_chunks": [p["num_chunks"] for p in pts], "gib_per_s": [p["gib_per_s"] for p in pts],
                        "first_layer_s": [p["first_layer_s"] for p in pts], "flatness": t["flatness"],
                        "byte_exact": all(p["byte_exact"] and not p["failed_blocks"] for p in pts),
-                       "check_catches_corruption": all(p["check_catches_corruption"] for p in pts)}
+                       "check_catches_corruption": all(p["check_catches_corruption"] for p in pts),
+                       "io_path": pts[-1].get("io_path") if pts else None}
     steps = {
         "tests": {"rc": rcs["tests"], **junit_counts(out_dir / "tests.xml")},
         "data_path": {"rc": rcs["data_path"], "cases": data.get("cases", {}), "vllm_modules": data.get("vllm_modules"),
                       **({"error": data["error"]} if "error" in data else {})},
         "sweep": {"rc": rcs["sweep"], "io_path": sweep.get("gds", {}).get("io_path", "unknown"),
+                  "probe": sweep.get("gds", {}).get("probe"),
                   "gds": sweep.get("gds"), "gpu_name": sweep.get("gpu_name"), "torch": sweep.get("torch"),
                   "limits": sweep.get("limits", {}), "tiers": tiers,
                   **({"error": sweep["error"]} if "error" in sweep else {})},
@@ -98,10 +109,10 @@ def validate(doc: dict) -> list[str]:
         if not isinstance(sweep.get("limits", {}).get(key), float):
             problems.append(f"steps.sweep.limits.{key}: not a float")
     for tier, t in sweep.get("tiers", {}).items():
-        for key in ("gib_per_s", "first_layer_s", "flatness", "byte_exact", "check_catches_corruption"):
+        for key in ("gib_per_s", "first_layer_s", "flatness", "byte_exact", "check_catches_corruption", "io_path"):
             if key not in t:
                 problems.append(f"steps.sweep.tiers.{tier}.{key}: missing")
-    if sweep.get("io_path") not in ("gds", "compat", "none", "unknown"):
+    if sweep.get("io_path") not in IO_PATHS:
         problems.append(f"steps.sweep.io_path: {sweep.get('io_path')!r}")
     return problems
 
@@ -122,7 +133,8 @@ def main() -> int:
                "data_path_byte_exact": {c: v["byte_exact"] for c, v in doc["steps"]["data_path"]["cases"].items()},
                "io_path": doc["steps"]["sweep"]["io_path"], "limits": doc["steps"]["sweep"]["limits"],
                "tiers": {t: {"gib_per_s": [round(x, 3) for x in v["gib_per_s"]], "flatness": round(v["flatness"], 3),
-                             "first_layer_s": [round(x, 5) for x in v["first_layer_s"]]}
+                             "first_layer_s": [round(x, 5) for x in v["first_layer_s"]],
+                             **({"io_path": v["io_path"]} if v["io_path"] else {})}
                          for t, v in doc["steps"]["sweep"]["tiers"].items()}}
     print(json.dumps(summary, indent=1))
     return 0 if summary["ok"] else 1

@@ -11,7 +11,10 @@ KV layouts (``layout``), per layer, with ``H`` KV heads, block size ``N`` and he
 
 * ``"cpu"``: ``[num_blocks, H, N, 2 * C]``, vLLM's CPU attention layout (K and V packed in one plane);
 * ``"flash"``: ``[2, num_blocks, N, H, C]``, FlashAttention's (``FlashAttentionBackend.get_kv_cache_shape``):
-  K and V planes.
+  K and V planes;
+* ``"lbnhc"``: vLLM 0.32's view of every layer, ``[num_blocks, H, N, 2 * C]`` (K and V side by side per token and
+  head), laid out token-major in memory (``KVCacheLayout.LBNHC``, FlashAttention's default there): the view is not
+  contiguous, each block is a dense ``[N, H, 2 * C]`` page.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from range_connector.kv.tickets import Ticket
 from range_connector.worker.device import CopyDevice
 from range_connector.worker.facade import RangeWorker
 
-LAYOUTS = ("cpu", "flash")
+LAYOUTS = ("cpu", "flash", "lbnhc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +70,7 @@ class KVShape:
     def tensor_shape(self) -> tuple[int, ...]:
         """The shape of one layer's tensor (raises ``ValueError`` for an unknown layout)."""
         n, h, c = self.block_size, self.num_kv_heads, self.head_size
-        if self.layout == "cpu":
+        if self.layout in ("cpu", "lbnhc"):
             return (self.num_blocks, h, n, 2 * c)
         if self.layout == "flash":
             return (2, self.num_blocks, n, h, c)
@@ -85,6 +88,10 @@ class KVShape:
             g = torch.Generator(device="cpu").manual_seed(seed)
             words = buf.view(torch.int16)
             words.copy_(torch.randint(-(1 << 15), 1 << 15, words.shape, generator=g, dtype=torch.int16))
+        if self.layout == "lbnhc":  # (token-major pages in memory, viewed [num_blocks, H, N, 2C] as vLLM 0.32 does)
+            b, h, n, c2 = shape
+            return {name: buf[i * per_layer:(i + 1) * per_layer].view(b, n, h, c2).permute(0, 2, 1, 3)
+                    for i, name in enumerate(self.layer_names)}
         return {name: buf[i * per_layer:(i + 1) * per_layer].view(shape) for i, name in enumerate(self.layer_names)}
 
 
@@ -156,9 +163,10 @@ class RoundTrip:
     @classmethod
     def build(cls, cfg: RangeConfig, shape: KVShape, save_backends: list[Backend], load_backends: list[Backend], *,
               num_chunks: int, device: str | torch.device = "cpu", loader_device: CopyDevice | None = None,
-              seed: int = 0) -> RoundTrip:
+              seed: int = 0, compat_device_reads: bool = False) -> RoundTrip:
         """Save ``num_chunks`` chunks of random KV (from shuffled blocks) through ``save_backends``; register a
-        loader over ``load_backends`` (``loader_device``: its device seam, default the tensors' own).
+        loader over ``load_backends`` (``loader_device``: its device seam, default the tensors' own;
+        ``compat_device_reads``: see ``RangeWorker.register_kv_caches``).
 
         Raises:
             RuntimeError: a chunk was not saved, or the KV pool is too small for ``num_chunks``.
@@ -179,7 +187,7 @@ class RoundTrip:
             raise RuntimeError(f"saved {len(tickets)} of {len(hashes)} chunks: {dict(saver.stats)}")
         dst = shape.allocate(device)
         loader = RangeWorker(cfg, shape.block_size, shape.layer_names, shape.num_blocks, load_backends)
-        loader.register_kv_caches(dst, device=loader_device)
+        loader.register_kv_caches(dst, device=loader_device, compat_device_reads=compat_device_reads)
         return cls(shape, saver, loader, src, dst, list(hashes), tickets, src_ids, num_tokens)
 
     def load_meta(self, dst_ids: Sequence[int], *, mode: str = "pipelined", req_id: str = "load"

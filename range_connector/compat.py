@@ -29,6 +29,8 @@ class AttentionGroup:
         page_size_bytes: bytes of one block of one layer.
         spec_fields: the spec's fields that change KV bytes (for the namespace).
         is_mla: whether the group is multi-head latent attention (one latent row per token).
+        kv_cache_layout: the engine's resolved KV-cache layout (``KVCacheConfig.kv_cache_layout``, a
+            ``KVCacheLayout`` name such as ``"LBNHC"``), ``None`` where vLLM has not resolved one yet.
     """
 
     layer_names: tuple[str, ...]
@@ -36,6 +38,7 @@ class AttentionGroup:
     page_size_bytes: int
     spec_fields: tuple[tuple[str, str], ...]
     is_mla: bool
+    kv_cache_layout: str | None = None
 
 
 # ------------------------------------------------------------------------------------ models with recurrent state
@@ -103,10 +106,11 @@ def attention_group(kv_cache_config: KVCacheConfig) -> AttentionGroup:
             raise ConfigError("kv_connector", f"RangeConnector cannot serve a model with recurrent state: its "
                                               f"KV-cache groups are {kinds}. {RECURRENT_STATE_REASON}.")
         raise ConfigError("kv_connector", f"RangeConnector serves one full-attention KV-cache group, got {kinds}")
-    return _group_of(groups[0].kv_cache_spec, tuple(groups[0].layer_names))
+    return _group_of(groups[0].kv_cache_spec, tuple(groups[0].layer_names),
+                     getattr(kv_cache_config, "kv_cache_layout", None))
 
 
-def _group_of(spec: Any, layer_names: tuple[str, ...]) -> AttentionGroup:
+def _group_of(spec: Any, layer_names: tuple[str, ...], kv_cache_layout: str | None = None) -> AttentionGroup:
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     fields = (("spec", type(spec).__name__), ("block_size", str(spec.block_size)),
@@ -116,7 +120,8 @@ def _group_of(spec: Any, layer_names: tuple[str, ...]) -> AttentionGroup:
               ("cache_dtype_str", str(getattr(spec, "cache_dtype_str", ""))),
               ("page_size_bytes", str(spec.page_size_bytes)))
     return AttentionGroup(layer_names=layer_names, block_size=spec.block_size, page_size_bytes=spec.page_size_bytes,
-                          spec_fields=fields, is_mla=isinstance(spec, MLAAttentionSpec))
+                          spec_fields=fields, is_mla=isinstance(spec, MLAAttentionSpec),
+                          kv_cache_layout=kv_cache_layout)
 
 
 def offline_vllm_config(model: str, **engine_args: Any) -> VllmConfig:
@@ -173,20 +178,28 @@ def offline_attention_group(vllm_config: VllmConfig) -> AttentionGroup:
     return _group_of(spec, tuple(f"offline.layers.{i}" for i in range(num_layers)))
 
 
+def _platform() -> Any:
+    """vLLM's ``current_platform`` (the one platform probe of :func:`kv_packing`; tests replace it to see the
+    device branch on CPU)."""
+    from vllm.platforms import current_platform
+
+    return current_platform
+
+
 def kv_packing(vllm_config: VllmConfig, group: AttentionGroup) -> str:
     """Name the byte packing of KV inside a block on this platform.
 
     On CPU, dense attention packs K and V by instruction set (AMX tiles, or plain ``[C, N]``/``[N, C]``), so KV
-    saved on one kind of machine is garbage on another; MLA rows are plain ``[latent | rope]``. On GPUs the layout
-    is the platform's own.
+    saved on one kind of machine is garbage on another; MLA rows are plain ``[latent | rope]``. On other platforms
+    (CUDA, ROCm, ...) the bytes of a block follow the attention backend and the engine's KV-cache layout, so both
+    are named (:func:`device_kv_packing`): two backends, or two stride orders, never share stored KV.
 
     Returns:
-        e.g. ``"cpu-amx"``, ``"cpu-vec"``, ``"cpu-mla"``, ``"cuda"``.
+        e.g. ``"cpu-amx"``, ``"cpu-vec"``, ``"cpu-mla"``, ``"cuda-auto-FLASH_ATTN-LBNHC-01324"``.
     """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return f"{current_platform.device_type}-{vllm_config.cache_config.cache_dtype}"
+    platform = _platform()
+    if not platform.is_cpu():
+        return device_kv_packing(vllm_config, group, str(platform.device_type))
     if group.is_mla:
         return "cpu-mla"
     import torch
@@ -196,6 +209,58 @@ def kv_packing(vllm_config: VllmConfig, group: AttentionGroup) -> str:
     head_size = int(dict(group.spec_fields)["head_size"])
     isa = _get_attn_isa(getattr(torch, dtype), group.block_size, head_size, vllm_config.cache_config.cache_dtype)
     return f"cpu-{isa}"
+
+
+def device_kv_packing(vllm_config: VllmConfig, group: AttentionGroup, device_type: str,
+                      backend: Any | None = None) -> str:
+    """``"<device>-<cache dtype>-<attention backend>-<layout name>-<stride order>"``: what decides the bytes of a
+    block on a GPU platform.
+
+    vLLM 0.32 views every layer's cache as the logical ``[num_blocks, heads, block_size, K|V bytes]``
+    (``vllm/v1/kv_cache_interface.py``, ``compute_layer_kv_cache_shape_bytes``) laid out in memory by one
+    ``KVCacheLayout`` for the engine (a stride order over ``[L, B, H, N, C]``: ``LBNHC`` is token-major inside a
+    block, FlashAttention's default; ``LBHNC`` head-major, FlashInfer's on Blackwell and the CPU backend's). The
+    layout is the engine's resolved one (``group.kv_cache_layout``; without an engine, ``cache_config``'s, else
+    ``VLLM_KV_CACHE_LAYOUT``, else the backend's first supported layout as vLLM would pick it). The backend is the
+    one vLLM's selector gives the group's attention (``get_attn_backend``, which honours ``attention_config.backend``
+    and ``backend_per_kind``), or ``backend`` (an ``AttentionBackend`` class) when given.
+    """
+    from vllm.config.cache import _layout_from_name
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if backend is None:
+        backend = _attention_backend(vllm_config, group)
+    name = backend.get_name() if backend is not None else "auto"
+    layout_name = group.kv_cache_layout or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if layout_name is None:
+        import os
+
+        layout_name = os.environ.get("VLLM_KV_CACHE_LAYOUT") or (
+            get_supported_kv_cache_layouts([backend])[0].name if backend is not None else "LBNHC")
+    layout = _layout_from_name(layout_name)
+    order = "".join(str(i) for i in layout.stride_order)
+    return f"{device_type}-{cache_dtype}-{name}-{layout.name}-{order}"
+
+
+def _attention_backend(vllm_config: VllmConfig, group: AttentionGroup) -> Any | None:
+    """The attention backend class vLLM's selector gives the group's layers in ``vllm_config`` (``None`` when the
+    selector refuses outside a worker: the packing then says ``auto``)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    fields = dict(group.spec_fields)
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    try:
+        with set_current_vllm_config(vllm_config):
+            return get_attn_backend(int(fields["head_size"]), vllm_config.model_config.dtype, cache_dtype,
+                                    use_mla=group.is_mla)
+    except (ValueError, RuntimeError, ImportError, AssertionError) as exc:
+        import logging
+
+        logging.getLogger("vllm." + __name__).warning(
+            "Range: vLLM's attention selector gave no backend here (%s); the namespace names it 'auto'", exc)
+        return None
 
 
 def model_identity(vllm_config: VllmConfig) -> dict[str, Any]:

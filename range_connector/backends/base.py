@@ -40,6 +40,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from range_connector.config.keys import DEPLOYMENT_PATTERN
+from range_connector.errors import BackendError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -287,6 +288,16 @@ class Backend(abc.ABC):
     def serves_views(self, stripe_id: str) -> bool:
         """Whether :meth:`view_stripes` can lend this stripe (a tier hierarchy answers per stripe)."""
         return self.supports_views
+
+    def serves_device_reads(self, stripe_id: str) -> bool:
+        """Whether a load may read this stripe straight into device memory (``read_ranges_device(reads)``, each
+        ``dest`` a device buffer): the file tier after a GPUDirect probe that passed; no other tier."""
+        return False
+
+    def read_ranges_device(self, reads: Sequence[Any]) -> list[bool]:
+        """:meth:`read_ranges` into device memory, where :meth:`serves_device_reads` says so (the file tier's
+        ``DeviceRead`` reads); elsewhere it raises :class:`~range_connector.errors.BackendError`."""
+        raise BackendError(f"{self.name}: no reads into device memory")
 
     def serves_scatter(self, stripe_id: str) -> bool:
         """Whether a read of this stripe takes a :class:`ScatterDest` (a tier hierarchy answers per stripe)."""

@@ -8,6 +8,9 @@ Shapes handled:
 * ``[num_blocks, ...]`` contiguous per block (CPU dense ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
   MLA ``[num_blocks, (1,) block_size, 576]``): one plane.
 * ``[2, num_blocks, ...]`` (K and V planes, as on CUDA flash-attention layouts): two planes.
+* ``[num_blocks, heads, block_size, C]`` views whose blocks are dense pages in another axis order (vLLM 0.32's
+  ``KVCacheLayout`` ``LBNHC``: token-major pages in memory): one plane, each row the page as it lies in memory (the
+  layout is in the namespace, ``compat.kv_packing``).
 
 Rows are viewed as ``int64`` when the row size allows: scattering int64 rows measured ~5x faster than uint8 rows
 on the 2-core development machine (512 MiB as 4,096 scattered 128 KiB blocks: 0.072 s against 0.39 s).
@@ -63,7 +66,20 @@ class KVLayout:
         return self.row_bytes // torch.empty((), dtype=self.row_dtype).element_size()
 
 
+def _memory_order(tensor: torch.Tensor, num_blocks: int) -> list[int] | None:
+    """The axes of a ``[num_blocks, heads, block_size, C]`` view in memory order, when each block is one dense page
+    laid out in another order (vLLM 0.32 views every layer so and lays it out by the engine's ``KVCacheLayout``:
+    ``LBNHC``, FlashAttention's default, keeps ``[num_blocks, block_size, heads, C]`` in memory); ``None`` for a
+    contiguous tensor or one whose blocks are not dense pages (a block-outermost layout: refused)."""
+    if tensor.dim() != 4 or tensor.shape[0] != num_blocks or tensor.is_contiguous():
+        return None
+    order = [0, *sorted(range(1, 4), key=lambda d: -tensor.stride(d))]
+    return order if tensor.permute(order).is_contiguous() else None
+
+
 def _planes(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    if (order := _memory_order(tensor, num_blocks)) is not None:  # a row is the page, in memory order
+        return [tensor.permute(order).reshape(num_blocks, -1)]
     two_planes = tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks
     # [2, num_blocks, block_size, heads, head] is the only 5-D layout; prefer it when num_blocks == 2 is ambiguous.
     if two_planes and (tensor.dim() == 5 or tensor.shape[0] != num_blocks):
@@ -80,6 +96,13 @@ def _planes(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tens
 def _head_runs(tensor: torch.Tensor, num_blocks: int, num_heads: int) -> int:
     """Runs of ``num_heads`` heads per row of one plane (see :attr:`KVLayout.head_runs`)."""
     shape = tuple(tensor.shape)
+    if (order := _memory_order(tensor, num_blocks)) is not None:  # heads inside the axes before them in memory
+        if shape[1] != num_heads:
+            return 0
+        runs = 1
+        for d in order[1:order.index(1)]:
+            runs *= shape[d]
+        return runs
     if len(shape) == 4 and shape[0] == num_blocks and shape[1] == num_heads:  # [blocks, heads, block_size, ...]
         return 1
     if len(shape) == 5 and shape[:2] == (2, num_blocks) and shape[3] == num_heads:  # [2, blocks, bs, heads, hs]

@@ -208,6 +208,7 @@ def check_file_tier(config: RangeConfig, view: ModelView | None, probe_bytes: in
     """The file tier: directory, free space, ``O_DIRECT``, the probe, and the tickets of the config's deployment
     (module docstring). Never raises for what it checks."""
     from range_connector.backends.file.backend import FileBackend
+    from range_connector.backends.file.gds import gds_report
     from range_connector.backends.file.ticket_log import TicketLog
 
     tier = config.tier
@@ -236,7 +237,8 @@ def check_file_tier(config: RangeConfig, view: ModelView | None, probe_bytes: in
         backend = FileBackend(probe_root / "shard-0", timeout_s=tier.timeout_s, use_odirect=refusal is None)
         try:
             latency_s = _median_s(backend.ping)
-            data.update(latency_s=latency_s, odirect=refusal is None, **probe_bandwidth(backend, probe_bytes))
+            data.update(latency_s=latency_s, odirect=refusal is None, **probe_bandwidth(backend, probe_bytes),
+                        gds=gds_report(probe_root))
         finally:
             backend.close()
     except (OSError, BackendError) as exc:
@@ -253,7 +255,8 @@ def check_file_tier(config: RangeConfig, view: ModelView | None, probe_bytes: in
                      "once the disk fills")
     out.results.append(CheckResult(name, status, f"{root}: {usage.free / (1 << 30):.1f} GiB free of "
                                    f"{usage.total / (1 << 30):.1f} GiB; O_DIRECT "
-                                   f"{'supported' if refusal is None else refusal}; {_speed(data)}"
+                                   f"{'supported' if refusal is None else refusal}; {_speed(data)}; "
+                                   f"GPUDirect reads: {data['gds']['line']}"
                                    + "".join(f"; {n}" for n in notes), data))
     for shard_idx in range(config.num_shards):
         shard_dir = root / config.deployment / f"shard-{shard_idx}"

@@ -1,5 +1,5 @@
-"""The worker half (one per vLLM worker process, next to the KV tensors): load jobs, direct receive, transfer banks,
-saves, background probes, and context parallelism (the ranks' agreement and exchange).
+"""The worker half (one per vLLM worker process, next to the KV tensors): load jobs, direct receive, transfer banks
+(host, or device memory for GPUDirect reads: ``device_reads``), saves, background probes, and context parallelism (the ranks' agreement and exchange).
 
 Entry point: :class:`range_connector.worker.facade.RangeWorker`; a load job sees only the
 :class:`~range_connector.worker.context.LoadContext` built at ``register_kv_caches``. May import: ``errors``, ``kv``,

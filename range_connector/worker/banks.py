@@ -30,13 +30,17 @@ class TransferBank:
     """One staging buffer.
 
     Attributes:
-        buffer: ``[capacity_bytes]`` uint8 tensor (pinned host memory when the KV cache is on CUDA).
+        buffer: ``[capacity_bytes]`` uint8 tensor (pinned host memory when the KV cache is on CUDA; device memory
+            in a device bank pool).
         done: completes (with ``None``) when the bank is filled, or with the exception that stopped the fill.
+        host: the filled bytes in host memory, where ``buffer`` is not (a device bank's copy brought back for the
+            checksum pass: :mod:`range_connector.worker.device_reads`), else ``None``.
     """
 
     buffer: torch.Tensor
     done: Future = field(default_factory=Future)
     abandoned: bool = False
+    host: torch.Tensor | None = None
 
 
 class BankPool:
@@ -45,14 +49,16 @@ class BankPool:
     Args:
         num_banks: how many banks may exist at once (>= 1).
         device: the device seam: whether buffers are pinned (``device.pin_memory``) and how a fence is waited for.
+        on_device: the buffers are device memory (``device.empty_device``: GPUDirect reads land there).
     """
 
-    def __init__(self, num_banks: int, *, device: CopyDevice | None = None) -> None:
+    def __init__(self, num_banks: int, *, device: CopyDevice | None = None, on_device: bool = False) -> None:
         if num_banks < 1:
             raise ValueError(f"num_banks must be >= 1, got {num_banks}")
         self.num_banks = num_banks
         self.device = HostDevice() if device is None else device
         self.pin_memory = self.device.pin_memory
+        self.on_device = on_device
         #: released buffers, each with the event of the last copy that reads it (``None``: none pending)
         self._free: list[tuple[torch.Tensor, object | None]] = []
         self._slots = threading.Semaphore(num_banks)
@@ -95,7 +101,8 @@ class BankPool:
                 self.in_use += 1
             self.device.synchronize([fence])  # (outside the lock: the consumer releases banks meanwhile)
             if buf is None:
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+                buf = (self.device.empty_device(nbytes) if self.on_device
+                       else torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory))
                 with self._lock:
                     self.allocations += 1
                     self.allocated_bytes += nbytes
@@ -127,8 +134,9 @@ class BankReader:
 
     def submit(self, pool: BankPool, nbytes: int, fill,
                timeout_s: float | Callable[[Callable[[float], bool]], bool]) -> TransferBank:
-        """Queue ``fill(buffer)`` for a bank of ``nbytes``; return the bank whose ``done`` future completes.
-        ``timeout_s``: how long the bank may be waited for (:meth:`BankPool.acquire`).
+        """Queue ``fill(buffer)`` for a bank of ``nbytes``; return the bank whose ``done`` future completes (with
+        :attr:`TransferBank.host` set to what ``fill`` returned). ``timeout_s``: how long the bank may be waited for
+        (:meth:`BankPool.acquire`).
 
         If the consumer abandons the bank (deadline passed) before the fill ends, the reader releases it itself.
         """
@@ -138,7 +146,7 @@ class BankReader:
             try:
                 got = pool.acquire(nbytes, timeout_s)
                 bank.buffer = got.buffer
-                fill(bank.buffer[:nbytes])
+                bank.host = fill(bank.buffer[:nbytes])
                 bank.done.set_result(None)
             except BaseException as exc:  # handed to the consumer through the future
                 bank.done.set_exception(exc)

@@ -47,6 +47,8 @@ class LoadContext:
         drop: forgets a chunk whose bytes proved bad or gone on a shard: ``drop(chunk_hash, shard_idx)``.
         device: the device seam (the copy stream and its events on CUDA).
         heads: ``(head_start, num_heads)``: the KV heads this rank's cache holds.
+        device_banks: staging buffers in device memory, for file-tier loads with GPUDirect reads
+            (:mod:`range_connector.worker.device_reads`); ``None`` where no tier takes them.
     """
 
     config: RangeConfig
@@ -64,6 +66,7 @@ class LoadContext:
     drop: Callable[[ChunkHash, int], None]
     device: CopyDevice = field(default_factory=HostDevice)
     heads: tuple[int, int] = (0, 1)
+    device_banks: BankPool | None = None
 
     def kv_rows(self, layer_idx: int, plane_idx: int) -> torch.Tensor:
         """``[num_blocks, row]`` view of one plane of one layer of the KV cache."""

@@ -43,11 +43,23 @@ class CopyDevice:
         pin_memory: transfer banks are pinned host memory (CUDA: copies from them are truly asynchronous).
         can_receive_direct: tiers may write straight into the KV rows (host memory only:
             :mod:`range_connector.worker.direct_receive`).
+        reads_device: loads may stage in device memory (:meth:`empty_device`): a file tier with GPUDirect reads
+            into it (:mod:`range_connector.worker.device_reads`); the host has no such staging.
     """
 
     kind = "cpu"
     pin_memory = False
     can_receive_direct = True
+    reads_device = False
+
+    def empty_device(self, nbytes: int) -> torch.Tensor:
+        """A ``[nbytes]`` uint8 staging buffer in the KV cache's memory (here: host memory)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def read_back(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer``'s bytes in host memory, landed (CUDA: a copy on the copy stream and a host wait for it, on the
+        calling thread: the bank reader; here: ``buffer`` itself)."""
+        return buffer
 
     def index(self, ids: Sequence[int] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``[len(ids)]`` int64 row indices on ``like``'s device (:func:`index_on`)."""
@@ -91,12 +103,34 @@ class CudaDevice(CopyDevice):
     kind = "cuda"
     pin_memory = True
     can_receive_direct = False
+    reads_device = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         #: the stream whose work a copy must follow (the engine's, current when the KV cache was registered)
         self.compute_stream = torch.cuda.current_stream(device)
         self.copy_stream = torch.cuda.Stream(device=device)
+        #: pinned host copies of device staging buffers (:meth:`read_back`), by buffer address: one per bank
+        self._mirrors: dict[int, torch.Tensor] = {}
+
+    def empty_device(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def read_back(self, buffer: torch.Tensor) -> torch.Tensor:
+        """As :meth:`CopyDevice.read_back`: into a pinned mirror of the buffer, allocated once per staging buffer
+        (banks are reused, so these are too; the cache is emptied past 16, after a bank was replaced)."""
+        key, n = buffer.data_ptr(), buffer.numel()
+        mirror = self._mirrors.get(key)
+        if mirror is None or mirror.numel() < n:
+            if len(self._mirrors) >= 16:
+                self._mirrors.clear()
+            mirror = self._mirrors[key] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(self.copy_stream):
+            mirror[:n].copy_(buffer, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        event.synchronize()
+        return mirror[:n]
 
     def index(self, ids: Sequence[int] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """As :meth:`CopyDevice.index`, made on the copy stream: the copies that use it are queued there, so its
@@ -118,6 +152,8 @@ class CudaDevice(CopyDevice):
             stream.wait_stream(self.compute_stream)
             if isinstance(src, slice):
                 staged = src_rows[src].to(self.device, non_blocking=True)
+            elif src_rows.is_cuda:  # (a device bank: GPUDirect reads; picked on the device, no host memory)
+                staged = src_rows.index_select(0, self.index(src, src_rows))
             elif src_rows.is_pinned():
                 staged = src_rows.to(self.device, non_blocking=True).index_select(0, self.index(src, dst_rows))
             else:

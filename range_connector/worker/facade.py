@@ -35,6 +35,7 @@ from range_connector.worker.banks import BankPool, BankReader
 from range_connector.worker.context import LoadContext
 from range_connector.worker.counters import Counters
 from range_connector.worker.device import CopyDevice, HostDevice, device_for
+from range_connector.worker.device_reads import prepare_device_reads
 from range_connector.worker.loads import ASYNC, PIPELINED, SYNC, LoadJob
 from range_connector.worker.observe import count_tier_bytes, observe_first_layer
 from range_connector.worker.probes import probe_chunk
@@ -150,18 +151,22 @@ class RangeWorker:
         follow_tier_reset(self.backends)
         self.stats.add("resets")
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], *, device: CopyDevice | None = None) -> None:
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], *, device: CopyDevice | None = None,
+                           compat_device_reads: bool = False) -> None:
         """View the engine's KV tensors as rows (see :func:`range_connector.kv.layout.block_rows`) and build the
         device seam once (``device``, default :func:`~range_connector.worker.device.device_for` the tensors: on
-        CUDA a copy stream of its own and pinned banks)."""
+        CUDA a copy stream of its own and pinned banks); on CUDA, probe the file tier's GPUDirect reads and log the
+        outcome (:func:`~range_connector.worker.device_reads.prepare_device_reads`; ``compat_device_reads``: read
+        into device memory in kvikio's compatibility mode too)."""
         self.layout, self._rows = block_rows(kv_caches, self.layer_names, self.num_blocks, self.head_slice.count)
         self.device = device_for(self._rows) if device is None else device
         self.banks = BankPool(self.config.num_banks, device=self.device)
+        device_banks = prepare_device_reads(self.backends, self.device, self.config, allow_compat=compat_device_reads)
         self.load_context = LoadContext(
             config=self.config, layout=self.layout, layer_names=self.layer_names, plan=self.plan,
             backends=self.backends, rows=self._rows, banks=self.banks, reader=self.reader, verifier=self.verifier,
             shard_readers=self.shard_readers, stats=self.stats, layer_events=self.layer_events, drop=self.drop,
-            device=self.device, heads=(self.head_slice.start, self.head_slice.count))
+            device=self.device, heads=(self.head_slice.start, self.head_slice.count), device_banks=device_banks)
         logger.info("Range worker: %d layers x %d planes, %d bytes per block row, %d blocks",
                     len(self.layer_names), self.layout.num_planes, self.layout.row_bytes, self.num_blocks)
 

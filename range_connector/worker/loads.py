@@ -40,6 +40,7 @@ from range_connector.kv.metadata import ChunkTransfer, RequestTransfer
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.stripes import plan_segments
 from range_connector.kv.tickets import Ticket
+from range_connector.worker.device_reads import checked_bytes, device_bank_reads
 from range_connector.worker.direct_receive import DirectRows, WriteGate
 from range_connector.worker.lent_views import LentViews, row_selector
 from range_connector.worker.shard_reads import ShardReads
@@ -108,6 +109,7 @@ class LoadJob:
         #: the reads from the tier's shards, and what they found (stripes gone, reads failed)
         self.reads = ShardReads(context.backends, context.stats)
         self._banks: list = []
+        self._pool = context.banks  # (the banks' pool: host banks, or device banks for GPUDirect reads)
         #: direct receive (CPU): where each row lands, and one read per layer group on the reader thread
         self.direct: DirectRows | None = None
         self._fills: list[Future] = []
@@ -258,7 +260,11 @@ class LoadJob:
             self._delivered = [threading.Event() for _ in self.groups]
             self._fills = [w.reader.submit_task(self._fill_for(g)) for g in self.groups]
             return
-        self._banks = [w.reader.submit(w.banks, len(g) * layer_bytes, self._fill_for(g), self._wait_paced)
+        # GPUDirect reads into device banks where every stripe's tier takes them (worker/device_reads.py)
+        self.reads.device = w.device_banks is not None and all(
+            w.backends[seg.shard_idx].serves_device_reads(seg.ticket.stripe_id) for seg in self.segments)
+        self._pool = w.device_banks if self.reads.device else w.banks
+        self._banks = [w.reader.submit(self._pool, len(g) * layer_bytes, self._fill_for(g), self._wait_paced)
                        for g in self.groups]
 
     def _fill_for(self, group: range):
@@ -277,16 +283,18 @@ class LoadJob:
                     return
                 by_shard = self.direct.reads(group, self._gate, w.config.verify_checksums)
             else:
-                by_shard = bank_reads(buffer)
+                by_shard = device_bank_reads(self, group, buffer) if self.reads.device else bank_reads(buffer)
             if len(by_shard) > 1:  # shards live on different servers: read them at the same time
                 for fut in [w.shard_readers.submit(self._read_shard, s, reads) for s, reads in by_shard.items()]:
                     fut.result()
             else:
                 for s, reads in by_shard.items():
                     self._read_shard(s, reads)
+            host = checked_bytes(self, buffer) if self.reads.device else None  # (the host copy it is checked on)
             now = time.monotonic()
             for layer_idx in group:
                 self.layer_ready_s[layer_idx] = now
+            return host
 
         def bank_reads(buffer: torch.Tensor) -> dict[int, list[RangeRead]]:
             mv = memoryview(buffer.numpy()).cast("B")
@@ -365,7 +373,10 @@ class LoadJob:
                 if self._alive(req, chunk):
                     self._chunk_present(req, chunk)
             if w.config.verify_checksums:
-                verify_group(self, group, lambda grp, row, n: bank_sums(buf, grp, row, n, self.num_planes,
+                checked = buf if bank.host is None else bank.host  # (a device bank: its copy brought back)
+                if self.reads.device and bank.host is None:  # (a fill a cancel cut short: nothing to check or copy)
+                    return
+                verify_group(self, group, lambda grp, row, n: bank_sums(checked, grp, row, n, self.num_planes,
                                                                          self.region_bytes, self.row_bytes))
             src_rows, dst_ids = [], []
             for req, chunk, _parts, c_src, c_dst in self._plan:
@@ -388,7 +399,7 @@ class LoadJob:
             else:  # nothing left to load: stop reading the remaining layer groups
                 self.cancel()
         finally:  # (fenced: the reader fills it again only after its copies have read it)
-            w.banks.release(bank, fence=self.events[-1] if self.events else None)
+            self._pool.release(bank, fence=self.events[-1] if self.events else None)
 
     def _deliver_direct_group(self, g: int) -> None:
         """The group's rows are already in the KV cache (direct receive): wait for them, then verify."""
@@ -446,7 +457,7 @@ class LoadJob:
         """Hand a bank that will not be delivered back: now if its fill ended, else by the reader when it ends."""
         bank.abandoned = True
         if bank.done.done():
-            self.w.banks.release(bank)
+            self._pool.release(bank)
 
     def finish(self) -> None:
         """Deliver what is left, settle the whole-stripe checks, and fill :attr:`done` (chunks that landed whole)

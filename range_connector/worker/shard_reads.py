@@ -39,6 +39,7 @@ class ShardReads:
         errored: ``(shard_idx, stripe_id)`` of stripes whose read failed (transient: tickets kept).
         failed_shards: shards whose read raised a tier error (not asked again by this job).
         lock: guards ``missing`` and ``errored`` (reads run on several threads).
+        device: the reads' destinations are device memory (``Backend.read_ranges_device``: a device bank).
     """
 
     def __init__(self, backends: Sequence[Backend], stats: Counters) -> None:
@@ -48,6 +49,7 @@ class ShardReads:
         self.errored: set[tuple[int, str]] = set()
         self.failed_shards: set[tuple[int, int]] = set()  # (shard, tier)
         self.lock = threading.Lock()
+        self.device = False
 
     def read(self, s: int, reads: list[RangeRead], *, cancelled: threading.Event, deadline: float) -> None:
         """One batched ranged read of shard ``s`` into the reads' destinations (in a tier hierarchy one per tier
@@ -77,7 +79,7 @@ class ShardReads:
                 self.errored.update((s, r.stripe_id) for r in reads)
             return
         try:
-            ok = self.backends[s].read_ranges(reads)
+            ok = self._reader(s)(reads)
             with self.lock:
                 self.missing.update((s, r.stripe_id) for r, good in zip(reads, ok) if not good)
         except ValueError as exc:  # a stored value disagrees with its ticket: find which, stripe by stripe
@@ -92,6 +94,10 @@ class ShardReads:
             with self.lock:
                 self.errored.update((s, r.stripe_id) for r in reads)
 
+    def _reader(self, s: int):
+        """Shard ``s``'s batched ranged read into the reads' kind of memory."""
+        return self.backends[s].read_ranges_device if self.device else self.backends[s].read_ranges
+
     def _reread_each_stripe(self, s: int, reads: list[RangeRead]) -> None:
         """After a shard's batched read was refused as inconsistent, read stripe by stripe (only on this error
         path) so that only the stripes whose values disagree with their tickets are treated as gone."""
@@ -100,7 +106,7 @@ class ShardReads:
             by_stripe[r.stripe_id].append(r)
         for stripe_id, stripe_reads in by_stripe.items():
             try:
-                target = None if all(self.backends[s].read_ranges(stripe_reads)) else self.missing
+                target = None if all(self._reader(s)(stripe_reads)) else self.missing
             except ValueError:
                 target = self.missing
             except BackendError:

@@ -124,6 +124,8 @@ def test_a_good_config_exits_0_and_the_probes_leave_nothing_behind(valkey_server
                                                              "model's KV layout")
         assert "latency" in rows["tiers[1] shard 0"][1] and "GB/s" in rows["tiers[1] shard 0"][1]
         assert "O_DIRECT" in rows["tiers[2] file"][1]
+        # what the GPUDirect start-up probe would find (here: no kvikio or no CUDA device, so POSIX)
+        assert "GPUDirect reads: off (" in rows["tiers[2] file"][1]
 
         rc, out, _ = _doctor(capsys, _write_config(tmp_path, extra), "--model", gqa_model, "--json")
         report = json.loads(out)

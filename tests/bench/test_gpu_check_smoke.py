@@ -33,6 +33,9 @@ def test_gpu_check_cpu_mode_writes_a_valid_results_json(tmp_path: Path) -> None:
     assert doc["steps"]["data_path"]["vllm_modules"] == []
     tiers = doc["steps"]["sweep"]["tiers"]
     assert {"memory", "file"} <= set(tiers)
+    # which I/O path the file tier's loads ran: on CPU, POSIX into host banks (no GPUDirect probe without CUDA)
+    assert doc["steps"]["sweep"]["io_path"] == tiers["file"]["io_path"] == "posix"
+    assert tiers["memory"]["io_path"] is None
     assert all(t["byte_exact"] and t["check_catches_corruption"] for t in tiers.values())
     assert (tmp_path / "gpu_check.log").stat().st_size > 0
 

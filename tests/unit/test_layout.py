@@ -132,6 +132,35 @@ def test_only_the_named_layers_are_served() -> None:
     assert layout.layer_names == ("attn",) and len(rows) == 1
 
 
+def test_token_major_pages_of_vllm_kv_cache_layout_lbnhc() -> None:
+    """vLLM 0.32 views each layer as ``[num_blocks, heads, block_size, C]`` laid out by the engine's KVCacheLayout;
+    under ``LBNHC`` (FlashAttention's default) a block is the dense page ``[block_size, heads, C]`` in memory: a row
+    is that page as it lies, and heads come in ``block_size`` runs."""
+    num_kv_heads, c = 2, 16
+    physical = {f"layer.{i}": _filled((NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, c), seed=i) for i in range(2)}
+    caches = {name: t.permute(0, 2, 1, 3) for name, t in physical.items()}  # the logical [B, H, N, C] view
+    assert not caches["layer.0"].is_contiguous()
+
+    layout, rows = block_rows(caches, ["layer.0", "layer.1"], NUM_BLOCKS, num_kv_heads)
+
+    assert layout.num_planes == 1 and layout.row_bytes == BLOCK_SIZE * num_kv_heads * c * 2
+    assert layout.head_runs == BLOCK_SIZE and layout.num_heads == num_kv_heads
+    for name, r in zip(["layer.0", "layer.1"], rows):
+        assert r.data_ptr() == physical[name].data_ptr()  # a view, not a copy
+        assert torch.equal(r.view(torch.uint8), physical[name].view(torch.uint8).reshape(NUM_BLOCKS, -1))
+    _check_rows_share_storage(lambda b: physical["layer.1"][b], rows[1], NUM_BLOCKS)
+
+
+def test_block_outermost_layouts_are_refused() -> None:
+    """A layout whose blocks hold every layer's page (``BLNHC``): a layer's pages are not one run per block apart
+    from the others' layers, and Range refuses it at start-up, by name."""
+    num_layers, num_kv_heads, c = 2, 2, 16
+    raw = torch.zeros((NUM_BLOCKS, num_layers, BLOCK_SIZE, num_kv_heads, c), dtype=torch.bfloat16)
+    layer0 = raw[:, 0].permute(0, 2, 1, 3)
+    with pytest.raises(ConfigError, match=r"kv_caches: layer l0: unsupported KV tensor shape"):
+        block_rows({"l0": layer0}, ["l0"], NUM_BLOCKS, num_kv_heads)
+
+
 # ---------------------------------------------------------------------- unsupported shapes
 UNSUPPORTED = {
     "wrong_num_blocks": torch.zeros((NUM_BLOCKS + 1, 2, BLOCK_SIZE, 16), dtype=torch.bfloat16),

@@ -3,5 +3,6 @@ budget and least-recently-used eviction (POSIX I/O; ``O_DIRECT`` where the file 
 
 ``backend`` (:class:`~range_connector.backends.file.backend.FileBackend`, the tier's layout and guarantees),
 ``stripes`` (the stripe file format and its reads and writes), ``ticket_log`` (the tickets, replayed from an
-append-only log) and ``capacity`` (byte accounting, eviction and leases).
+append-only log), ``capacity`` (byte accounting, eviction and leases) and ``gds`` (whether kvikio's ``CuFile`` reads
+into device memory here: the start-up probe).
 """

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import os
 import time
 import uuid
@@ -61,6 +60,7 @@ import filelock
 
 from range_connector.backends.base import Backend, RangeRead, StripeWrite
 from range_connector.backends.file.capacity import make_room, num_live_leases, release_leases, scan, take_leases
+from range_connector.backends.file.gds import GdsSetup, gds_status
 from range_connector.backends.file.stripes import (
     NEW_FILE,
     PAGE,
@@ -79,22 +79,6 @@ from range_connector.errors import BackendError, BackendTimeoutError
 
 #: errors of a file system that is full: the save is skipped (``saves_skipped_no_space``), never an error
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-@functools.cache
-def gds_status() -> tuple[bool, str]:
-    """``(True, "")`` when kvikio is importable and a CUDA device is present, else ``(False, reason)``."""
-    try:
-        import kvikio  # noqa: F401
-    except ImportError as exc:
-        return False, f"kvikio not installed ({exc})"
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return True, ""
-    except ImportError:
-        pass
-    return False, "no CUDA device"
 
 
 class FileBackend(Backend):
@@ -146,6 +130,9 @@ class FileBackend(Backend):
         #: set when a save is skipped for lack of space on the file system (ENOSPC, EDQUOT), cleared by the next
         #: save stored
         self.out_of_space = False
+        #: the start-up GPUDirect probe's outcome, set by a worker whose KV cache is in device memory
+        #: (:func:`~range_connector.backends.file.gds.probe_gds`); ``None``: not probed
+        self.gds: GdsSetup | None = None
 
     def refresh_epoch(self) -> None:
         self.epoch_hint = self._epoch()
@@ -159,7 +146,11 @@ class FileBackend(Backend):
     @property
     def supports_gds(self) -> bool:
         """Whether :meth:`read_ranges_device` can read into CUDA memory through ``kvikio.CuFile``."""
-        return gds_status()[0]
+        return self.gds.io_path != "posix" if self.gds is not None else gds_status()[0]
+
+    def serves_device_reads(self, stripe_id: str) -> bool:
+        """Loads read this tier's stripes straight into device memory (the start-up probe passed and chose it)."""
+        return self.gds is not None and self.gds.device_loads
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, what: str, tasks: Sequence) -> list:
@@ -300,7 +291,7 @@ class FileBackend(Backend):
         Raises:
             BackendError: kvikio or CUDA is missing (see :attr:`supports_gds`), or the read failed.
         """
-        ok, reason = gds_status()
+        ok, reason = (self.gds.io_path != "posix", self.gds.reason) if self.gds is not None else gds_status()
         if not ok:
             raise BackendError(f"{self.name}: GPUDirect reads unavailable: {reason}")
         import kvikio
