@@ -31,6 +31,10 @@ SPEC.json OUT.json``. Steps:
 * ``{"op": "delete_loaded_ticket", "url": valkey URL, "rank": r, "index": i}`` -> deletes rank ``r``'s ticket of the
   ``i``-th chunk it loaded last (one rank's slice of that chunk evicted).
 
+``spec["connector"]`` is Range's ``kv_connector_extra_config`` (``None``: no connector); without it,
+``spec["kv_transfer_config"]`` gives another connector's ``KVTransferConfig`` fields (``tests/lmcache``: LMCache's
+MP connector), and the connector-specific ops (``last_loads``, ``corrupt``, ...) do not apply.
+
 Process layout (``spec["processes"]``): ``"one"`` (the default) runs vLLM's engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and, at tensor-parallel size 1, its worker too (the ``uni`` executor): one
 Python process instead of three, which saves about 45 s of imports per engine on the 2-core machine (measured: 20 s
@@ -84,6 +88,8 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("connector") is not None:  # roles: "kv_both" (the default), "kv_producer", "kv_consumer"
         ktc = KVTransferConfig(kv_connector="RangeConnector", kv_role=spec.get("role", "kv_both"),
                                kv_load_failure_policy="recompute", kv_connector_extra_config=spec["connector"])
+    elif spec.get("kv_transfer_config") is not None:  # another connector (LMCache's MP connector): its fields
+        ktc = KVTransferConfig(**spec["kv_transfer_config"])
     llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 128), kv_transfer_config=ktc, disable_log_stats=False,
               seed=0, **kwargs)
