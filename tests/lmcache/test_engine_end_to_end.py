@@ -167,14 +167,18 @@ def test_prompt_served_from_range_tier_after_mp_server_restart(valkey_servers, t
             cold=_run(tmp_path, "cold", spec, env)), daemon=True)
         engine.start()
         known: set = set()
-        for i in range(len(prompts)):
-            while not (marks / f"{i}.done").exists():
-                assert engine.is_alive(), f"the cold engine stopped early: {results.get('cold')}"
-                time.sleep(0.2)
-            objects_of.append(wait_for_new_objects(urls, deployment, known, FULL_CHUNKS))
-            known |= objects_of[-1]
-            (marks / f"{i}.stored").touch()
-        engine.join(timeout=300)
+        try:
+            for i in range(len(prompts)):
+                while not (marks / f"{i}.done").exists():
+                    assert engine.is_alive(), f"the cold engine stopped early: {results.get('cold')}"
+                    time.sleep(0.2)
+                objects_of.append(wait_for_new_objects(urls, deployment, known, FULL_CHUNKS))
+                known |= objects_of[-1]
+                (marks / f"{i}.stored").touch()
+        finally:  # (on a failure here the engine must not wait for marks that never come)
+            for i in range(len(prompts)):
+                (marks / f"{i}.stored").touch()
+            engine.join(timeout=300)
         cold = results["cold"]
     assert not isinstance(cold, BaseException), cold
     assert all(cold[4 * i]["external_hits"] == 0 for i in range(len(prompts)))  # (a fresh deployment)
