@@ -243,7 +243,8 @@ class ObjectStore:
         wanted = [j for j, t in enumerate(tickets)
                   if t is not None and t.num_blocks == dests[j].nbytes and not dests[j].readonly]
         runs = _contiguous_runs(wanted, tickets) if backend.supports_scatter else [[j] for j in wanted]
-        reads = [_run_read(run, tickets, dests) for run in runs]
+        digests = [_RunDigests([dests[j].nbytes for j in run]) if len(run) > 1 else None for run in runs]
+        reads = [_run_read(run, tickets, dests, d) for run, d in zip(runs, digests)]
         loaded = [False] * len(oids)
         if not reads:
             return loaded
@@ -253,9 +254,11 @@ class ObjectStore:
             logger.warning("%s: read of %d objects failed: %s", backend.name, len(wanted), exc)
             return loaded
         corrupt = []
-        for j, ok in ((j, ok) for run, ok in zip(runs, present) for j in run):
+        for j, ok, landed in ((j, ok, d and d.digest_of(k)) for run, ok, d in zip(runs, present, digests)
+                              for k, j in enumerate(run)):
             t = tickets[j]
-            if ok and t is not None and xxhash.xxh3_64_intdigest(dests[j]) == t.checksums[0]:
+            checksum = landed if landed is not None else (xxhash.xxh3_64_intdigest(dests[j]) if ok else None)
+            if ok and t is not None and checksum == t.checksums[0]:
                 loaded[j] = True
             elif ok:
                 corrupt.append(self.key_of(oids[j]))
@@ -338,16 +341,47 @@ def _contiguous_runs(wanted: Sequence[int], tickets: Sequence[Ticket | None]) ->
     return runs
 
 
-def _run_read(run: Sequence[int], tickets: Sequence[Ticket | None], dests: Sequence[memoryview]) -> RangeRead:
+class _RunDigests:
+    """The xxh3-64 of each object of a run, updated as the tier lands the run's bytes (``ScatterDest.digest``: in
+    order, while they are still in cache), so that verifying them needs no second pass over the bytes. An object whose
+    bytes were not all seen this way has no digest here (:meth:`digest_of` is ``None``: the caller hashes it)."""
+
+    def __init__(self, sizes_bytes: Sequence[int]) -> None:
+        self._states = [xxhash.xxh3_64() for _ in sizes_bytes]
+        self._left = list(sizes_bytes)
+        self._i = 0
+        self._skip_empty()
+
+    def update(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes and self._i < len(self._states):
+            n = min(view.nbytes, self._left[self._i])
+            self._states[self._i].update(view[:n])
+            self._left[self._i] -= n
+            view = view[n:]
+            self._skip_empty()
+
+    def digest_of(self, k: int) -> int | None:
+        """The digest of the run's ``k``-th object, or ``None`` if not all of its bytes were seen."""
+        return self._states[k].intdigest() if self._left[k] == 0 else None
+
+    def _skip_empty(self) -> None:
+        while self._i < len(self._left) and self._left[self._i] == 0:
+            self._i += 1
+
+
+def _run_read(run: Sequence[int], tickets: Sequence[Ticket | None], dests: Sequence[memoryview],
+              digests: _RunDigests | None = None) -> RangeRead:
     """One read of a run of objects: into the one object's buffer, or scattered over the run's buffers in order
-    (a whole stripe value is then one ``GET`` on Valkey, whatever the number of objects in it)."""
+    (a whole stripe value is then one ``GET`` on Valkey, whatever the number of objects in it), updating
+    ``digests`` as the bytes land."""
     first = tickets[run[0]]
     assert first is not None
     if len(run) == 1:
         return RangeRead(first.stripe_id, 0, first.block_offset, first.num_blocks, first.stripe_blocks, dests[run[0]])
     pieces = tuple(dests[j] for j in run)
     return RangeRead(first.stripe_id, 0, first.block_offset, sum(p.nbytes for p in pieces), first.stripe_blocks,
-                     ScatterDest(pieces, contextlib.nullcontext()))
+                     ScatterDest(pieces, contextlib.nullcontext(), digests))
 
 
 def _value_groups(sizes_bytes: Sequence[int], max_value_bytes: int) -> list[list[int]]:

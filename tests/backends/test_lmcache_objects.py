@@ -148,3 +148,26 @@ def test_a_read_only_buffer_is_a_miss_not_an_error(tier: tuple[str, ObjectStore]
     assert store.load([oid], [memoryview(bytes(4096))]) == [False]
     dest = bytearray(4096)
     assert store.load([oid], [memoryview(dest)]) == [True] and bytes(dest) == payload(oid)
+
+
+def test_run_digests_follow_object_boundaries_whatever_the_updates() -> None:
+    """Each object's checksum is taken while its bytes land, however the tier splits them; an object whose bytes
+    were not all seen has none (the load then hashes it itself)."""
+    import random
+
+    import xxhash
+
+    from range_connector.lmcache.objects import _RunDigests
+
+    sizes = [5, 0, 4096, 1, 300]
+    data = bytes(random.Random(1).randbytes(sum(sizes)))
+    for step in (1, 7, 4096, len(data)):
+        run = _RunDigests(sizes)
+        for pos in range(0, len(data), step):
+            run.update(memoryview(data)[pos:pos + step])
+        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        assert [run.digest_of(k) for k in range(len(sizes))] == [
+            xxhash.xxh3_64_intdigest(data[o:o + n]) for o, n in zip(offsets, sizes)]
+    partial = _RunDigests(sizes)
+    partial.update(data[:100])
+    assert [partial.digest_of(k) is None for k in range(len(sizes))] == [False, False, True, True, True]
