@@ -25,9 +25,13 @@ import torch
 from bench_common import REPO
 from bench_kv_layout import BLOCK_SIZE, BYTES_PER_TOKEN_PER_LAYER, KV, NUM_KV_HEADS, NUM_LAYERS, Payload
 
-LMCACHE_PATHS = ("local_cpu", "resp", "valkey", "mp_l2_resp")
+LMCACHE_PATHS = ("local_cpu", "resp", "valkey", "mp_l2_resp", "mp_l2_range")
 SHIM_PATHS = LMCACHE_PATHS + ("plain_valkey_per_object", "resident")
-LMCACHE_VALKEY_PATHS = ("resp", "valkey", "mp_l2_resp")
+LMCACHE_VALKEY_PATHS = ("resp", "valkey", "mp_l2_resp", "mp_l2_range")
+#: LMCache's rows that store through Range (not a baseline Range is compared with: a row of its own, issue 21)
+LMCACHE_OVER_RANGE_PATHS = ("mp_l2_range",)
+#: display names of the LMCache multi-process rows
+ROW_LABELS = {"lmcache_mp_l2_resp": "LMCache MP + resp adapter", "lmcache_mp_l2_range": "LMCache MP + Range adapter"}
 LMCACHE_VENV_PYTHON = REPO / ".venv-lmcache" / "bin" / "python"
 SHIM = REPO / "bench" / "lmcache_shim.py"
 

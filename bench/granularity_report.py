@@ -15,7 +15,7 @@ from typing import Any
 
 from bench_common import GIB, MIB, log
 from bench_kv_layout import BLOCK_SIZE, BYTES_PER_TOKEN_PER_LAYER, NUM_LAYERS
-from granularity_baselines import LMCACHE_VALKEY_PATHS
+from granularity_baselines import LMCACHE_OVER_RANGE_PATHS, LMCACHE_VALKEY_PATHS, ROW_LABELS
 
 
 # ---------------------------------------------------------------------------------------------------- analysis
@@ -77,7 +77,8 @@ def analyse(rows: list[dict[str, Any]], chunks: list[int], payload_tokens: int) 
     acc["range_flat"] = flat
     # 2. Range-Valkey vs LMCache.
     rv = by_path.get("range_valkey", {})
-    lm = {p: by_path[p] for p in by_path if p.startswith("lmcache_")}
+    lm = {p: by_path[p] for p in by_path
+          if p.startswith("lmcache_") and p.removeprefix("lmcache_") not in LMCACHE_OVER_RANGE_PATHS}
     vs: dict[str, Any] = {}
     for label, c in (("coarsest", coarse), ("finest", fine)):
         entry: dict[str, Any] = {}
@@ -124,8 +125,26 @@ def analyse(rows: list[dict[str, Any]], chunks: list[int], payload_tokens: int) 
         per_n[str(c)] = e
     acc["range_dram_vs_resident"] = {"per_chunk_tokens": per_n,
                                      "holds": bool(per_n) and all(e["holds"] for e in per_n.values())}
+    acc["lmcache_range_adapter"] = range_adapter_acceptance(by_path, out["paths"], chunks, n_of)
     out["acceptance"] = acc
     return out
+
+
+def range_adapter_acceptance(by_path: dict[str, dict[int, Any]], paths: dict[str, Any], chunks: list[int],
+                             n_of: dict[int, int]) -> dict[str, Any] | None:
+    """Issue 21: the "LMCache MP + Range adapter" row flat (max/min of medians <= 1.05 over every N) and faster than
+    "LMCache MP + resp adapter" at every N, in the same run; ``None`` without either row."""
+    rng, resp = by_path.get("lmcache_mp_l2_range"), by_path.get("lmcache_mp_l2_resp")
+    if not rng or not resp:
+        return None
+    ratio = paths["lmcache_mp_l2_range"]["max_over_min"]
+    per_n = {str(n_of[c]): {"chunk_tokens": c, "range_s": rng[c]["restore_s_median"],
+                            "resp_s": resp[c]["restore_s_median"],
+                            "range_over_resp": rng[c]["restore_s_median"] / resp[c]["restore_s_median"]}
+             for c in chunks if c in rng and c in resp}
+    return {"max_over_min": ratio, "flat": ratio is not None and ratio <= 1.05 and len(rng) == len(chunks),
+            "per_N": per_n,
+            "faster_at_every_N": len(per_n) == len(chunks) and all(e["range_over_resp"] < 1.0 for e in per_n.values())}
 
 
 # ---------------------------------------------------------------------------------------------------- output
@@ -256,6 +275,15 @@ def print_report(doc: dict[str, Any]) -> None:
         else:
             log(f"  [{'PASS' if e['holds'] else 'FAIL'}] {p} / Range-Valkey at finest N: {e['lmcache_s']:.4f} / "
                 f"{e['range_valkey_s']:.4f} = {e['speedup']:.2f}x (>= 3x)")
+    ra = acc.get("lmcache_range_adapter")
+    if ra is None:
+        log("  [ -- ] LMCache MP + Range adapter vs + resp adapter (issue 21): no data")
+    else:
+        cells = ", ".join(f"N={n}: {e['range_s']:.3f} / {e['resp_s']:.3f}" for n, e in ra["per_N"].items())
+        log(f"  [{'PASS' if ra['flat'] else 'FAIL'}] {ROW_LABELS['lmcache_mp_l2_range']}: max/min across N = "
+            f"{fmt(ra['max_over_min'])} (<= 1.05)")
+        log(f"  [{'PASS' if ra['faster_at_every_N'] else 'FAIL'}] {ROW_LABELS['lmcache_mp_l2_range']} / "
+            f"{ROW_LABELS['lmcache_mp_l2_resp']} < 1 at every N: {cells}")
     dr = acc["range_dram_vs_resident"]
     cells = ", ".join(f"C={c}: {e['ratio']:.2f}" for c, e in dr["per_chunk_tokens"].items())
     log(f"  [{'PASS' if dr['holds'] else 'FAIL'}] Range-DRAM / resident (<= 1.25 at every N): {cells or 'no data'}")

@@ -39,7 +39,8 @@ bytes (about 0.05 s per 512 MiB here), which would be charged to LMCache.
 The child runs torch with one intra-op thread by default (``--torch-threads``): on 2 cores, torch's two OpenMP
 threads next to LMCache's native I/O threads made the shim's copies 10-100x slower.
 
-Paths: ``local_cpu``, ``resp``, ``valkey``, ``mp_l2_resp`` (LMCache), ``plain_valkey_per_object`` (one Valkey key
+Paths: ``local_cpu``, ``resp``, ``valkey``, ``mp_l2_resp`` (LMCache), ``mp_l2_range`` (LMCache's MP L2 interface
+over the Range adapter, ``range_connector.lmcache``: the one path that imports it), ``plain_valkey_per_object`` (one Valkey key
 per object, valkey-py, one pipeline of GETs per layer), ``resident`` (plain tensor copy of the same bytes from one
 contiguous in-memory image into the same blocks: the "already resident" limit).
 
@@ -81,10 +82,10 @@ from typing import Any
 from lmcache_shim_child import _child_main
 from lmcache_shim_common import MIB, _aggregate, _ValkeyStats
 
-LMCACHE_PATHS = ("local_cpu", "resp", "valkey", "mp_l2_resp")
+LMCACHE_PATHS = ("local_cpu", "resp", "valkey", "mp_l2_resp", "mp_l2_range")
 REFERENCE_PATHS = ("plain_valkey_per_object", "resident")
 ALL_PATHS = LMCACHE_PATHS + REFERENCE_PATHS
-VALKEY_PATHS = ("resp", "valkey", "mp_l2_resp", "plain_valkey_per_object")
+VALKEY_PATHS = ("resp", "valkey", "mp_l2_resp", "mp_l2_range", "plain_valkey_per_object")
 SHIM_FORMAT_VERSION = 1
 
 

@@ -20,7 +20,7 @@ import traceback
 from typing import Any
 
 from lmcache_shim_common import _aggregate, _Unsupported, _ValkeyStats
-from lmcache_shim_lmcache_paths import _LMCacheEngineImpl, _MPL2Impl
+from lmcache_shim_lmcache_paths import _LMCacheEngineImpl, _MPL2Impl, _MPL2RangeImpl
 from lmcache_shim_reference_paths import _PlainValkeyImpl, _ResidentImpl
 
 # --------------------------------------------------------------------------------------------------------------
@@ -274,6 +274,7 @@ class _PathBench:
             "resp": _LMCacheEngineImpl,
             "valkey": _LMCacheEngineImpl,
             "mp_l2_resp": _MPL2Impl,
+            "mp_l2_range": _MPL2RangeImpl,
             "plain_valkey_per_object": _PlainValkeyImpl,
             "resident": _ResidentImpl,
         }[self.path](self)

@@ -1,4 +1,5 @@
-"""The shim's LMCache 0.5.6 paths: the in-process engine (``local_cpu``, ``resp``, ``valkey``) and ``mp_l2_resp``.
+"""The shim's LMCache 0.5.6 paths: the in-process engine (``local_cpu``, ``resp``, ``valkey``), ``mp_l2_resp`` and
+``mp_l2_range`` (LMCache's L2 interface over its ``resp`` adapter, and over the Range adapter).
 
 :class:`_LMCacheEngineImpl` drives ``LMCacheEngine`` (layerwise ``store_layer`` / ``retrieve_layer`` for
 ``local_cpu``, chunked ``store`` / ``retrieve`` for the remote connectors, see ``bench/lmcache_shim.py``'s docstring
@@ -283,8 +284,6 @@ class _MPL2Impl:
         import torch
         from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
         from lmcache.v1.distributed.config import L1MemoryManagerConfig
-        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-        from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
         from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryManager
 
         b = self.b
@@ -294,8 +293,7 @@ class _MPL2Impl:
         self.layout = MemoryLayoutDesc(shapes=[self.shape], dtypes=[torch.bfloat16])
         size = int(b.lay["payload_bytes"] * 1.5) + 64 * MIB
         self.l1 = L1MemoryManager(L1MemoryManagerConfig(size_in_bytes=size, use_lazy=False, shm_name=""))
-        cfg = RESPL2AdapterConfig.from_dict({"host": host, "port": port, "num_workers": b.spec["num_workers"]})
-        self.adapter = create_l2_adapter(cfg)
+        self.adapter = self._make_adapter(host, port)
         n_chunks = b.T // b.C
         # Object i: chunk c of layer l, ordered layer-major (per_layer), or chunk c (per_chunk).
         self.keys = []
@@ -305,6 +303,13 @@ class _MPL2Impl:
                 h = (f"{layer}:{c}:{b.spec['seed']}").encode()
                 self.keys.append(ObjectKey(chunk_hash=h.ljust(32, b"\0"), model_name=b.tag, kv_rank=0))
                 self.ranges.append((layer, *b.word_range(c * b.C, (c + 1) * b.C)))
+
+    def _make_adapter(self, host: str, port: int) -> Any:
+        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+        from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
+
+        cfg = RESPL2AdapterConfig.from_dict({"host": host, "port": port, "num_workers": self.b.spec["num_workers"]})
+        return create_l2_adapter(cfg)
 
     def _wait(self, fd: int, query, task_id) -> Any:
         import select
@@ -390,3 +395,36 @@ class _MPL2Impl:
         if self.l1 is not None:
             _run_with_timeout(self.l1.close, 10)
         return r
+
+
+class _MPL2RangeImpl(_MPL2Impl):
+    """``mp_l2_range``: the same L1 objects and calls as ``mp_l2_resp``, through the Range L2 adapter
+    (``range_connector.lmcache.adapter.RangeL2Adapter``, docs/lmcache.md) on the same Valkey server (one shard),
+    built through LMCache's own ``plugin`` adapter type as the MP server builds it. Its keys are under the
+    deployment named after the shim's tag, so the shim's clean-up (``*<tag>*``) removes them."""
+
+    def describe(self) -> dict[str, Any]:
+        doc = super().describe()
+        doc["driven_by"] = doc["driven_by"].replace(
+            "create_l2_adapter(RESPL2AdapterConfig(host, port, num_workers)) -> NativeConnectorL2Adapter over the "
+            "C++ LMCacheRedisClient",
+            "create_l2_adapter(PluginL2AdapterConfig(module_path='range_connector.lmcache.adapter', "
+            "class_name='RangeL2Adapter', adapter_params={type: valkey, servers: [url], deployment: <tag>})) -> "
+            "RangeL2Adapter (Range stripes, tickets and leases; one shard)")
+        return doc
+
+    def _make_adapter(self, host: str, port: int) -> Any:
+        import sys
+        from pathlib import Path
+
+        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+        from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+
+        repo = str(Path(__file__).resolve().parents[1])  # (the checkout's range_connector, as the docs say)
+        if repo not in sys.path:
+            sys.path.insert(0, repo)
+        params = {"type": "valkey", "servers": [self.b.spec["valkey_url"]], "deployment": self.b.tag,
+                  "num_workers": self.b.spec["num_workers"]}
+        cfg = PluginL2AdapterConfig.from_dict({"module_path": "range_connector.lmcache.adapter",
+                                               "class_name": "RangeL2Adapter", "adapter_params": params})
+        return create_l2_adapter(cfg)

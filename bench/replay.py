@@ -26,6 +26,12 @@ Configurations:
   connector's default transfer mode (``auto``) the worker asks for the engine-driven mode, which the CPU server
   refuses (``No handler registered for operation register_kv_cache_engine_driven_context``) and vLLM's start-up
   then times out in ``register_kv_caches``; ``lmcache.mp.mp_transfer_mode = "lmcache_driven"`` fixes that.
+* ``lmcache-resp``, ``lmcache-range`` (only when asked for): the same, with an L1 of ``--lmcache-l1-gb`` (default
+  0.375 GiB, smaller than the trace's working set, so most hits come from L2) in front of LMCache's own ``resp`` L2
+  adapter, or of the Range L2 adapter (docs/lmcache.md), on one open Valkey server started for the run (4 GiB
+  limit). The report's options record what that server did over the replay (``valkey_during_replay``: bytes
+  sent, commands), and a line per configuration compares its bytes sent with the KV bytes of the hits
+  (:mod:`range_connector.bench.lmcache_configs`).
 
 The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
 trace of :func:`range_connector.bench.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
@@ -54,8 +60,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +70,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from range_connector.bench.lmcache_configs import (  # noqa: E402
+    L2_CONFIGS,
+    LMCACHE_CONFIGS,
+    lmcache_server,
+    valkey_counters,
+    valkey_delta,
+)
 from range_connector.bench.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
 from range_connector.bench.replay_report import format_comparison, write_json, write_plots  # noqa: E402
 from range_connector.bench.run_info import run_extra  # noqa: E402
@@ -84,8 +95,9 @@ CONFIGS = ("none", "range", "example")
 RANGE_VARIANTS = {f"range-{mode}": {"load_mode": mode} for mode in ("pipelined", "async", "sync", "auto")}
 #: Range with a tier hierarchy (docs/tiers.md): the DRAM tier's budget is ``--dram-bytes``
 TIER_VARIANTS = ("range-dram", "range-valkey", "range-dram+valkey")
-OPTIONAL_CONFIGS = ("lmcache", *RANGE_VARIANTS, *TIER_VARIANTS)
-LMCACHE_READY_LINE = "cache server is running"
+OPTIONAL_CONFIGS = (*LMCACHE_CONFIGS, *RANGE_VARIANTS, *TIER_VARIANTS)
+#: memory limit of the Valkey server of ``lmcache-resp`` and ``lmcache-range`` (the trace's objects must fit)
+LMCACHE_VALKEY_MAXMEMORY_BYTES = 4 << 30
 PRIME_SEED = 987_654_321  # prompts from this seed share no block with the trace's
 
 
@@ -126,53 +138,6 @@ def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any],
     raise ValueError(f"--configs: unknown configuration {config!r} (known: {', '.join(CONFIGS)})")
 
 
-class LMCacheServer:
-    """LMCache's multi-process cache server (``lmcache.v1.multiprocess.server``) in its own process group."""
-
-    def __init__(self, venv: Path, run_dir: Path, timeout_s: float = 120.0) -> None:
-        from range_connector.testing.processes import free_port
-
-        self.python = venv / "bin" / "python"
-        if not self.python.exists():
-            raise RuntimeError(f"--lmcache-venv: {venv} has no bin/python (create it: bash bench/setup_lmcache_env.sh)")
-        self.site_packages = next(iter(sorted((venv / "lib").glob("python3*/site-packages"))), None)
-        self.port = free_port()
-        self.log_path = run_dir / "lmcache-server.log"
-        self.timeout_s = timeout_s
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def kv_transfer_config(self) -> str:
-        return json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                           "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                                         "lmcache.mp.port": self.port, "lmcache.mp.mq_timeout": 60,
-                                                         "lmcache.mp.mp_transfer_mode": "lmcache_driven"}})
-
-    def __enter__(self) -> LMCacheServer:
-        cmd = [str(self.python), "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
-               str(self.port), "--chunk-size", "256", "--l1-size-gb", "1", "--eviction-policy", "LRU"]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        deadline_s = time.monotonic() + self.timeout_s
-        while LMCACHE_READY_LINE not in self.log_path.read_text(errors="replace"):
-            if self.process.poll() is not None or time.monotonic() > deadline_s:
-                self.__exit__(None, None, None)
-                tail = " | ".join(self.log_path.read_text(errors="replace").splitlines()[-3:])
-                raise RuntimeError(f"LMCache server not ready (exit {self.process.returncode}): {tail}")
-            time.sleep(0.5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=5)
-
-
 def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Trace, requests: list,
                work_dir: Path, range_extra: dict[str, Any], prime_prompt: list[int]) -> ReplayReport:
     """Start the engine of ``config``, prime it, replay, stop it; a failure becomes a report with the reason."""
@@ -185,10 +150,17 @@ def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Tr
     try:
         side = contextlib.nullcontext()
         extra_env: dict[str, str] = {}
-        if config == "lmcache":
-            side = LMCacheServer(Path(args.lmcache_venv), run_dir)
-            kv_config = side.kv_transfer_config()
-            extra_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(side.site_packages)) if p)
+        valkey_url = None
+        if config in LMCACHE_CONFIGS:
+            if config in L2_CONFIGS:
+                from range_connector.backends.valkey.servers import ensure_servers
+
+                to_stop.append(run_dir / "valkey")
+                (valkey_url,) = ensure_servers(1, run_dir / "valkey", require_password=False,
+                                               maxmemory_bytes=LMCACHE_VALKEY_MAXMEMORY_BYTES)
+            side = lmcache_server(config, Path(args.lmcache_venv), run_dir, valkey_url, args.lmcache_l1_gb)
+            kv_config = json.dumps(side.kv_transfer_config())
+            extra_env["PYTHONPATH"] = side.engine_pythonpath()
         else:
             kv_config, to_stop = kv_transfer_config(config, run_dir, range_extra, args.dram_bytes)
         # Per-request cached tokens in usage (local + external), recorded by the client.
@@ -204,11 +176,15 @@ def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Tr
             startup_s = server.wait_ready(timeout_s=args.startup_timeout_s)
             _log(f"{config}: ready after {startup_s:.1f} s; priming, then replaying {len(requests)} requests")
             complete(server.base_url, prompt_token_ids=prime_prompt, max_tokens=2, timeout_s=args.request_timeout_s)
+            valkey_before = valkey_counters(valkey_url) if valkey_url else None
             report = run_replay(server.base_url, requests, metrics_urls=[server.base_url], warmup=args.warmup,
                                 label=config, trace=trace, max_concurrency=args.max_concurrency,
                                 request_timeout_s=args.request_timeout_s, progress=not args.no_progress)
             report.options.update(kv_transfer_config=kv_config, startup_s=startup_s,
                                   local_prefix_cache=args.local_prefix_cache, log=str(server.log_path))
+            if valkey_before is not None:  # what the L2 server did over the replay (warm-up included)
+                report.options["valkey_during_replay"] = valkey_delta(valkey_before, valkey_counters(valkey_url))
+                report.options["lmcache_l1_gb"] = side.l1_size_gb
         return report
     except (ServerError, OSError, RuntimeError, ValueError) as exc:
         reason = " ".join(str(exc).split())[:500]
@@ -218,6 +194,20 @@ def run_config(config: str, args: argparse.Namespace, model_dir: Path, trace: Tr
         for runtime_dir in to_stop:
             stop_servers(runtime_dir)
         shutil.rmtree(run_dir / "example-kv", ignore_errors=True)  # KV files; the log stays
+
+
+def l2_line(report: ReplayReport, model_dir: Path) -> str:
+    """One line: what the L2 Valkey server sent over the replay, against the KV bytes of every connector hit."""
+    delta = report.options["valkey_during_replay"]
+    cached = sum(r.cached_tokens or 0 for r in [*report.warmup_results, *report.results])
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    token_bytes = cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) \
+        * head_dim * 2
+    share = delta.get("sent_bytes", 0) / (cached * token_bytes) if cached else float("nan")
+    reads = {k: v for k, v in delta.items() if k in ("get", "mget", "getrange", "exists", "evalsha", "eval")}
+    return (f"L2 Valkey sent {delta.get('sent_bytes', 0) / 2**20:.1f} MiB for {cached} hit tokens "
+            f"({cached * token_bytes / 2**20:.1f} MiB of KV): {share:.0%} of the hit bytes from L2; reads {reads}")
 
 
 def load_trace(args: argparse.Namespace) -> Trace:
@@ -260,7 +250,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--dram-bytes", type=int, default=256 << 20,
                    help="the DRAM tier's budget per worker in range-dram and range-dram+valkey (default 256 MiB)")
     g.add_argument("--lmcache-venv", default=str(REPO / ".venv-lmcache"),
-                   help="environment with LMCache 0.5.6 for the lmcache configuration")
+                   help="environment with LMCache 0.5.6 for the lmcache configurations")
+    g.add_argument("--lmcache-l1-gb", type=float, default=0.375,
+                   help="LMCache's L1 in lmcache-resp and lmcache-range, GiB (default 0.375: a few of the bench "
+                        "model's longest prompts, so most hits come from L2; lmcache keeps 1 GiB)")
     g.add_argument("--omp-threads-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for the engine")
     g.add_argument("--startup-timeout-s", type=float, default=300.0)
     g.add_argument("--endpoint", default=None, help="replay against this running server instead of --configs")
@@ -322,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(run_config(config, args, model_dir, trace, requests, work_dir, range_extra, prime_prompt))
             s = reports[-1].summary
             _log(f"{config}: {s['num_ok']}/{s['num_requests']} ok, TTFT p50 {s['ttft_s']['p50']} s")
+            if "valkey_during_replay" in reports[-1].options:
+                _log(f"{config}: {l2_line(reports[-1], model_dir)}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else Path(args.results_dir) / f"replay-{stamp}.json"
     extra = run_extra([sys.executable, *sys.argv], model=str(model_dir), trace=info, loadavg_start=load_start)

@@ -6,8 +6,9 @@ whose one layer value is the shard's objects end to end (several stripes only pa
 ``Backend.max_value_bytes``), and one ticket per object (:meth:`~range_connector.kv.tickets.Ticket.decode_object`:
 byte offset, length, xxh3-64 of the bytes). A lookup is one ticket read per shard (``MGET`` on Valkey) and one lease
 per shard on the stripes it found; a load is one ranged read per shard straight into the caller's buffers, then
-every object's checksum is verified. So the round trips follow shards, never objects (docs/architecture.md,
-principle 1).
+every object's checksum is verified; on a tier that scatters (Valkey, files, DRAM), objects that lie end to end in
+one stripe are one read into their buffers (a whole stripe is one ``GET`` on Valkey). So the round trips and, for
+objects stored together, the commands follow shards and stripes, never objects (docs/architecture.md, principle 1).
 
 Errors are per object and never raised: a missing, malformed, wrongly sized, unreadable or corrupt object reads as
 ``False``; a corrupt object's ticket is deleted so it is not found again. Capacity is Range's: each backend's byte
@@ -19,6 +20,7 @@ its executor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,7 +32,7 @@ import blake3
 import msgpack
 import xxhash
 
-from range_connector.backends.base import Backend, RangeRead, StripeWrite
+from range_connector.backends.base import Backend, RangeRead, ScatterDest, StripeWrite
 from range_connector.errors import BackendError
 from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.tickets import Ticket, ticket_key
@@ -240,20 +242,23 @@ class ObjectStore:
                 tickets[j] = Ticket.decode_object(r, max_layer_bytes=backend.max_value_bytes)
         wanted = [j for j, t in enumerate(tickets)
                   if t is not None and t.num_blocks == dests[j].nbytes and not dests[j].readonly]
-        reads = [RangeRead(t.stripe_id, 0, t.block_offset, t.num_blocks, t.stripe_blocks, dests[j])
-                 for j in wanted for t in (tickets[j],) if t is not None]
+        runs = _contiguous_runs(wanted, tickets) if backend.supports_scatter else [[j] for j in wanted]
+        digests = [_RunDigests([dests[j].nbytes for j in run]) if len(run) > 1 else None for run in runs]
+        reads = [_run_read(run, tickets, dests, d) for run, d in zip(runs, digests)]
         loaded = [False] * len(oids)
         if not reads:
             return loaded
         try:
             present = backend.read_ranges(reads)
         except (BackendError, ValueError) as exc:  # (ValueError: a ticket that lies about its stripe)
-            logger.warning("%s: read of %d objects failed: %s", backend.name, len(reads), exc)
+            logger.warning("%s: read of %d objects failed: %s", backend.name, len(wanted), exc)
             return loaded
         corrupt = []
-        for j, ok in zip(wanted, present):
+        for j, ok, landed in ((j, ok, d and d.digest_of(k)) for run, ok, d in zip(runs, present, digests)
+                              for k, j in enumerate(run)):
             t = tickets[j]
-            if ok and t is not None and xxhash.xxh3_64_intdigest(dests[j]) == t.checksums[0]:
+            checksum = landed if landed is not None else (xxhash.xxh3_64_intdigest(dests[j]) if ok else None)
+            if ok and t is not None and checksum == t.checksums[0]:
                 loaded[j] = True
             elif ok:
                 corrupt.append(self.key_of(oids[j]))
@@ -319,6 +324,64 @@ class ObjectStore:
         except Exception:  # (a bug, not a tier: logged with its traceback, the shard's objects fail)
             logger.exception("%s: unexpected error in an object task", self.backends[s].name)
             return None
+
+
+def _contiguous_runs(wanted: Sequence[int], tickets: Sequence[Ticket | None]) -> list[list[int]]:
+    """Group the objects ``wanted`` (indices into ``tickets``, none ``None``) into runs that lie end to end in one
+    stripe value, each run in offset order; an object wanted twice starts a run of its own."""
+    runs: list[list[int]] = []
+    for j in sorted(wanted, key=lambda j: (tickets[j].stripe_id, tickets[j].block_offset)):  # type: ignore[union-attr]
+        t = tickets[j]
+        prev = tickets[runs[-1][-1]] if runs else None
+        if (prev is not None and t is not None and prev.stripe_id == t.stripe_id
+                and prev.stripe_blocks == t.stripe_blocks and prev.block_offset + prev.num_blocks == t.block_offset):
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    return runs
+
+
+class _RunDigests:
+    """The xxh3-64 of each object of a run, updated as the tier lands the run's bytes (``ScatterDest.digest``: in
+    order, while they are still in cache), so that verifying them needs no second pass over the bytes. An object whose
+    bytes were not all seen this way has no digest here (:meth:`digest_of` is ``None``: the caller hashes it)."""
+
+    def __init__(self, sizes_bytes: Sequence[int]) -> None:
+        self._states = [xxhash.xxh3_64() for _ in sizes_bytes]
+        self._left = list(sizes_bytes)
+        self._i = 0
+        self._skip_empty()
+
+    def update(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes and self._i < len(self._states):
+            n = min(view.nbytes, self._left[self._i])
+            self._states[self._i].update(view[:n])
+            self._left[self._i] -= n
+            view = view[n:]
+            self._skip_empty()
+
+    def digest_of(self, k: int) -> int | None:
+        """The digest of the run's ``k``-th object, or ``None`` if not all of its bytes were seen."""
+        return self._states[k].intdigest() if self._left[k] == 0 else None
+
+    def _skip_empty(self) -> None:
+        while self._i < len(self._left) and self._left[self._i] == 0:
+            self._i += 1
+
+
+def _run_read(run: Sequence[int], tickets: Sequence[Ticket | None], dests: Sequence[memoryview],
+              digests: _RunDigests | None = None) -> RangeRead:
+    """One read of a run of objects: into the one object's buffer, or scattered over the run's buffers in order
+    (a whole stripe value is then one ``GET`` on Valkey, whatever the number of objects in it), updating
+    ``digests`` as the bytes land."""
+    first = tickets[run[0]]
+    assert first is not None
+    if len(run) == 1:
+        return RangeRead(first.stripe_id, 0, first.block_offset, first.num_blocks, first.stripe_blocks, dests[run[0]])
+    pieces = tuple(dests[j] for j in run)
+    return RangeRead(first.stripe_id, 0, first.block_offset, sum(p.nbytes for p in pieces), first.stripe_blocks,
+                     ScatterDest(pieces, contextlib.nullcontext(), digests))
 
 
 def _value_groups(sizes_bytes: Sequence[int], max_value_bytes: int) -> list[list[int]]:

