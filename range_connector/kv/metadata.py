@@ -64,6 +64,12 @@ class RequestTransfer:
             that shares another's failed blocks through vLLM's prefix cache stores nothing computed on them.
         tiers: for saves in a tier hierarchy, the tiers to write (``None``: all; ``(0,)``: a promotion into DRAM of
             chunks loaded from a farther tier).
+        computed_block_ids: for loads, blocks of the load that vLLM also writes into: the block that holds the
+            first token it computes, when the hit ends inside that block (a stored tail: the whole prompt but its
+            last token). vLLM writes that token's KV of layer ``l`` before attention asks for layer ``l``
+            (``unified_kv_cache_update`` runs before ``wait_for_layer_load``), so a load must not verify such a
+            block from the KV cache: it is staged, verified there, and copied in (:mod:`range_connector.worker.
+            direct_receive`).
     """
 
     req_id: str
@@ -76,6 +82,7 @@ class RequestTransfer:
     failures_learnt_through: int = -1
     prefix_block_ids: tuple[int, ...] = ()
     tiers: tuple[int, ...] | None = None
+    computed_block_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -42,6 +42,7 @@ from range_connector.scheduler.leases import LeaseBook
 from range_connector.scheduler.planning import (
     LookupResult,
     RequestState,
+    computed_block_ids,
     failed_load,
     lookup_hit,
     plan_load,
@@ -269,8 +270,9 @@ class RangeScheduler:
             return
         chunks = plan_load(state, lookup, block_ids, num_external_tokens, block_size=self.block_size,
                            blocks_per_chunk=bpc)
-        self._loads.append(RequestTransfer(req_id, tuple(chunks), num_external_tokens, mode=lookup.mode,
-                                           deadline_s=self.admission.deadline_s(lookup)))
+        self._loads.append(RequestTransfer(
+            req_id, tuple(chunks), num_external_tokens, mode=lookup.mode, deadline_s=self.admission.deadline_s(lookup),
+            computed_block_ids=computed_block_ids(lookup, block_ids, num_external_tokens, block_size=self.block_size)))
         self.stats["promised_tokens"] += num_external_tokens
         tiers = {c.chunk_idx: entry_tier(c.tickets) for c in chunks if c.tickets}
         self.tally.plan(req_id, tokens_per_chunk(chunks, lookup.num_computed_tokens, num_external_tokens,

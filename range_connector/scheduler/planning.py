@@ -120,6 +120,17 @@ def plan_load(state: RequestState, lookup: LookupResult, block_ids: Sequence[int
     return chunks
 
 
+def computed_block_ids(lookup: LookupResult, block_ids: Sequence[int], num_external_tokens: int, *,
+                       block_size: int) -> tuple[int, ...]:
+    """The block of a committed load that vLLM writes into as well (``RequestTransfer.computed_block_ids``): the one
+    holding the first token it computes, when the load ends inside it (a stored tail); ``()`` when the load ends on a
+    block boundary."""
+    last_token = lookup.num_computed_tokens + num_external_tokens
+    if last_token % block_size == 0 or last_token // block_size >= len(block_ids):
+        return ()
+    return (block_ids[last_token // block_size],)
+
+
 def failed_load(req_id: str, lookup: LookupResult | None, block_ids: Sequence[int], num_external_tokens: int, *,
                 block_size: int, blocks_per_chunk: int) -> RequestTransfer:
     """A load vLLM asked for that was not promised: every block of it is reported failed, so that vLLM recomputes

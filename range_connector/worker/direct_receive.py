@@ -16,6 +16,15 @@ vLLM already holds) lands in a small spill tensor, so that every chunk can still
 exactly as from a bank. A row wanted by two destinations (two requests of one load reading the same chunk) cannot
 land twice: such loads keep the bank path.
 
+A block that vLLM writes into during the same forward (``RequestTransfer.computed_block_ids``: a load that ends
+inside a block, a stored tail, leaves vLLM its last token, and vLLM writes that token's KV of a layer before
+attention asks Range for the layer) is not received in place either: its rows land in the spill tensor, are
+verified there, and are copied into the block when their layer group is delivered (:meth:`DirectRows.land_deferred`).
+Received in place, the block would be verified from the KV cache after vLLM had written its token into it, and fail
+whenever vLLM's KV of that token differs in a bit from the stored one (a prefill engine computed it in another
+batch): found as 18-19 checksum mismatches per ``make demo`` run on a non-AMX CPU, every one in the first layer of
+a group (the layer whose KV vLLM had written when the group was verified).
+
 The destination blocks belong to the request being loaded, so bytes land there before they are verified; a chunk
 that fails its checksum fails as on the bank path (its blocks are reported and vLLM recomputes them), and a layer is
 handed to attention only after its group landed and was verified (:mod:`range_connector.worker.loads`). The gate of
@@ -55,7 +64,7 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -110,22 +119,28 @@ class DirectRows:
         row_bytes: bytes of one (layer, plane, block) row.
         segments: the load's segments (``bank_row`` numbering their rows consecutively).
         dst_of_row: ``[num_rows]`` destination block id of each row, ``None`` for rows without one.
+        deferred: ``{row: block id}`` of rows that land in the spill tensor and are copied into that block once
+            verified (:meth:`land_deferred`); their ``dst_of_row`` is ``None``.
 
     Attributes:
         num_spill_rows: rows that land in the spill tensor (per layer and plane).
+        deferred: as the argument.
     """
 
     #: checksum whole-stripe reads as their bytes land (see the module docstring for why)
     hash_on_receive = True
 
     def __init__(self, kv_rows: Callable[[int, int], torch.Tensor], num_layers: int, num_planes: int,
-                 row_bytes: int, segments: Sequence[Segment], dst_of_row: Sequence[int | None]) -> None:
+                 row_bytes: int, segments: Sequence[Segment], dst_of_row: Sequence[int | None],
+                 deferred: Mapping[int, int] | None = None) -> None:
         self.num_planes, self.row_bytes, self.segments = num_planes, row_bytes, segments
+        self.deferred = dict(deferred or {})
         spill_of_row: dict[int, int] = {}
         for row, dst in enumerate(dst_of_row):
             if dst is None:
                 spill_of_row[row] = len(spill_of_row)
         self.num_spill_rows = len(spill_of_row)
+        self._spill_of_row = spill_of_row
         # Runs of rows that land contiguously: (first row, rows, in the KV cache?, first block id or spill row). A
         # run never crosses a segment boundary (each read covers one segment).
         bounds = {seg.bank_row for seg in segments}
@@ -152,22 +167,39 @@ class DirectRows:
 
     @classmethod
     def plan(cls, kv_rows: Callable[[int, int], torch.Tensor], num_layers: int, num_planes: int, row_bytes: int,
-             segments: Sequence[Segment], num_rows: int,
-             copies: Sequence[tuple[Sequence[int], Sequence[int]]]) -> DirectRows | None:
+             segments: Sequence[Segment], num_rows: int, copies: Sequence[tuple[Sequence[int], Sequence[int]]],
+             computed_block_ids: Collection[int] = ()) -> DirectRows | None:
         """Place every row, or return ``None`` when some row has two destinations (the load then uses banks).
 
         Args:
             kv_rows, num_layers, num_planes, row_bytes, segments: as for the constructor.
             num_rows: rows of all segments together.
             copies: ``(source rows, destination block ids)`` of every chunk, as the bank path would copy them.
+            computed_block_ids: blocks vLLM writes into during the load's forward: their rows are staged and copied
+                once verified (the constructor's ``deferred``), never received in place.
         """
         dst_of_row: list[int | None] = [None] * num_rows
+        deferred: dict[int, int] = {}
         for src_rows, dst_ids in copies:
             for row, dst in zip(src_rows, dst_ids):
-                if dst_of_row[row] is not None:
+                if dst_of_row[row] is not None or row in deferred:
                     return None
-                dst_of_row[row] = dst
-        return cls(kv_rows, num_layers, num_planes, row_bytes, segments, dst_of_row)
+                if dst in computed_block_ids:
+                    deferred[row] = dst
+                else:
+                    dst_of_row[row] = dst
+        return cls(kv_rows, num_layers, num_planes, row_bytes, segments, dst_of_row, deferred)
+
+    def land_deferred(self, layers: range, rows: Iterable[int]) -> None:
+        """Copy staged rows (keys of :attr:`deferred`, verified) of every plane of ``layers`` into their blocks.
+        The caller holds the load job's lock (its blocks are still its own)."""
+        rb = self.row_bytes
+        for row in rows:
+            block, spill_row = self.deferred[row], self._spill_of_row[row]
+            for layer_idx in layers:
+                for p in range(self.num_planes):
+                    self._kv[layer_idx][p][block * rb:(block + 1) * rb] = \
+                        self._spill[layer_idx][p][spill_row * rb:(spill_row + 1) * rb]  # type: ignore[index]
 
     def pieces(self, layer_idx: int, plane_idx: int, first_row: int, num_rows: int) -> list[memoryview]:
         """Byte views where rows ``[first_row, first_row + num_rows)`` of one (layer, plane) land, in row order."""

@@ -253,7 +253,8 @@ class LoadJob:
         if w.device.can_receive_direct and all(
                 w.backends[seg.shard_idx].serves_scatter(seg.ticket.stripe_id) for seg in self.segments):
             self.direct = DirectRows.plan(w.kv_rows, self.num_layers, num_planes, row_bytes, self.segments,
-                                          self.rows_per_region, [(e[3], e[4]) for e in self._plan])
+                                          self.rows_per_region, [(e[3], e[4]) for e in self._plan],
+                                          {b for req in self.reqs for b in req.computed_block_ids})
         if self.direct is not None:
             # Read-ahead stays bounded as on the bank path (num_banks layer groups beyond the last one delivered),
             # so a layer-pipelined load keeps handing early layers to attention while later ones are still read.
@@ -419,9 +420,16 @@ class LoadJob:
             for req, chunk, _parts, _src, _dst in self._plan:
                 if self._alive(req, chunk):
                     self._chunk_present(req, chunk)
+        assert self.direct is not None
         if self.w.config.verify_checksums:
-            assert self.direct is not None
             verify_group(self, group, self.direct.sums)
+        if self.direct.deferred:  # blocks vLLM writes into as well: staged, verified, copied in now
+            rows = [row for req, chunk, _parts, src, _dst in self._plan if self._alive(req, chunk)
+                    for row in src if row in self.direct.deferred]
+            with self.lock:
+                if self.closed:
+                    return
+                self.direct.land_deferred(group, rows)
         if not any(self._alive(req, chunk) and dst for req, chunk, _parts, _src, dst in self._plan):
             self.cancel()  # nothing left to load: stop reading the remaining layer groups
 

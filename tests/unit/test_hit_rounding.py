@@ -97,3 +97,16 @@ def test_hit_properties(block_size: int, blocks_per_chunk: int, num_stored_chunk
     assert hit + block_size > min(num_stored_chunks * chunk_tokens, max(0, num_prompt_tokens - 1))
     # Monotone in what is stored.
     assert hit_tokens(num_stored_chunks + 1, chunk_tokens, num_prompt_tokens, block_size) >= hit
+
+
+def test_a_load_that_ends_inside_a_block_names_that_block_as_computed_by_vllm_too() -> None:
+    """A stored tail is loaded up to the prompt's last token, which vLLM computes into the load's last block: the
+    worker must stage that block (``RequestTransfer.computed_block_ids``); a load ending on a block boundary leaves
+    vLLM no block of its own."""
+    from range_connector.scheduler.planning import LookupResult, computed_block_ids
+
+    lookup = LookupResult([], [], 0, num_computed_tokens=32, num_hit_tokens=32 + 47)
+    block_ids = [10, 11, 12, 13, 14]
+    assert computed_block_ids(lookup, block_ids, 47, block_size=16) == (14,)  # vLLM computes token 79: block 4
+    assert computed_block_ids(lookup, block_ids, 48, block_size=16) == ()  # token 80 starts a block of its own
+    assert computed_block_ids(lookup, block_ids, 17, block_size=16) == (13,)  # token 49: block 3

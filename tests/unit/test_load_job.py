@@ -153,3 +153,52 @@ def test_a_corrupted_stored_byte_fails_its_chunk_and_never_reaches_attention(bac
     for name in LAYERS:  # the good chunk landed; the bad chunk's bytes are not what was stored
         for s, d in zip(src_blocks[0], dst_blocks[0]):
             assert torch.equal(dest[name][d].view(torch.int16), source[name][s].view(torch.int16))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunks_loaded", [[1], [0, 1]], ids=["part-of-a-stripe", "whole-stripe"])
+def test_a_block_vllm_writes_its_first_computed_token_into_is_not_verified_after_that_write(
+        tmp_path: Path, chunks_loaded: list[int]) -> None:
+    """A stored tail leaves vLLM the prompt's last token, in the load's last block: vLLM writes that token's KV of
+    layer ``l`` (``unified_kv_cache_update``) before attention asks Range for layer ``l``. Its KV differs from the
+    stored one in a few bits when another engine, in another batch, computed it. Verified from the KV cache after
+    that write, the block failed its checksum and the whole chunk was recomputed (``make demo``, 3 December 2026).
+    Here the file tier's direct receive lands every row before "vLLM" writes its token into the last block of
+    each layer, just before that layer is delivered: nothing may fail, and the block holds the stored bytes except
+    where vLLM wrote."""
+    backend = FileBackend(tmp_path / "tier", timeout_s=5.0)
+    source, dest = kv_cache(1), kv_cache(2)
+    src_blocks, dst_blocks = [[3, 9], [4, 1]], [[12, 0], [7, 5]]
+    tickets = store_chunks(backend, source, src_blocks)
+    ctx, extra = context_for(dest, backend)
+    computed_block = dst_blocks[chunks_loaded[-1]][-1]
+    chunks = tuple(ChunkTransfer(c, ChunkHash(bytes([c]) * 32), tuple(range(BLOCKS_PER_CHUNK)),
+                                 tuple(dst_blocks[c]), (tickets[c],)) for c in chunks_loaded)
+    req = RequestTransfer("req-0", chunks, num_tokens=len(chunks) * BLOCKS_PER_CHUNK * BLOCK - 1, mode=PIPELINED,
+                          computed_block_ids=(computed_block,))
+    vllm_token = torch.full((HEADS, 2 * HEAD), 7.0, dtype=torch.bfloat16)
+    try:
+        import time
+
+        job = LoadJob(ctx, [req], time.monotonic() + 30.0, PIPELINED)
+        job.start()
+        assert job.direct is not None  # (the path under test: rows received in place)
+        while any(t is None for t in job.layer_ready_s):  # every row has landed (bounded by the test's timeout)
+            time.sleep(0.001)
+        for layer_idx, name in enumerate(LAYERS):
+            dest[name][computed_block, :, BLOCK - 1] = vllm_token  # vLLM's KV of the block's last token
+            job.deliver_through(layer_idx)
+        job.finish()
+    finally:
+        close(extra)
+        backend.close()
+    assert job.failed_from == {} and ctx.stats["load_integrity_errors"] == 0 and extra[3] == []
+    for name in LAYERS:
+        for c in chunks_loaded:
+            for s, d in zip(src_blocks[c], dst_blocks[c]):
+                got, want = dest[name][d].clone(), source[name][s].clone()
+                if d == computed_block:  # vLLM's token or the stored one; every other byte is the stored one
+                    assert (torch.equal(got[:, BLOCK - 1].view(torch.int16), vllm_token.view(torch.int16))
+                            or torch.equal(got[:, BLOCK - 1].view(torch.int16), want[:, BLOCK - 1].view(torch.int16)))
+                    got[:, BLOCK - 1] = want[:, BLOCK - 1]
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16))
