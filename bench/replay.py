@@ -77,6 +77,7 @@ from range_connector.bench.lmcache_configs import (  # noqa: E402
     valkey_counters,
     valkey_delta,
 )
+from range_connector.bench.paired import format_paired, paired_doc, round_order  # noqa: E402
 from range_connector.bench.replay import ReplayReport, build_requests, run_replay, summarize  # noqa: E402
 from range_connector.bench.replay_report import format_comparison, write_json, write_plots  # noqa: E402
 from range_connector.bench.run_info import run_extra  # noqa: E402
@@ -259,6 +260,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--endpoint", default=None, help="replay against this running server instead of --configs")
     g.add_argument("--metrics-url", action="append", default=None, help="engine /metrics to read (repeatable)")
     g = p.add_argument_group("replay")
+    g.add_argument("--pairs", type=int, default=1,
+                   help="rounds of --configs, alternating their order; with 2 or more, every configuration is also "
+                        "compared with the first one of its own round (median and range of the ratios)")
     g.add_argument("--warmup", type=int, default=0, help="leading requests left out of the statistics")
     g.add_argument("--max-concurrency", type=int, default=32)
     g.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -286,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS + OPTIONAL_CONFIGS)})",
               file=sys.stderr)
         return 2
+    if args.pairs < 1 or (args.pairs > 1 and (args.endpoint or len(set(configs)) != len(configs) or len(configs) < 2)):
+        print("--pairs: give a count >= 1; rounds need 2 or more distinct --configs and no --endpoint", file=sys.stderr)
+        return 2
     try:
         trace = load_trace(args)
     except (TraceError, OSError) as exc:
@@ -305,29 +312,44 @@ def main(argv: list[str] | None = None) -> int:
         _log(line)
     load_start = os.getloadavg()
     reports: list[ReplayReport] = []
+    rounds: list[list[ReplayReport]] = []
     if args.endpoint:
         reports.append(run_replay(args.endpoint, requests, metrics_urls=args.metrics_url or [], warmup=args.warmup,
                                   label="endpoint", trace=trace, max_concurrency=args.max_concurrency,
                                   request_timeout_s=args.request_timeout_s, progress=not args.no_progress))
     else:
         work_dir = Path(tempfile.mkdtemp(prefix="range-replay-"))
-        for config in configs:
-            reports.append(run_config(config, args, model_dir, trace, requests, work_dir, range_extra, prime_prompt))
-            s = reports[-1].summary
-            _log(f"{config}: {s['num_ok']}/{s['num_requests']} ok, TTFT p50 {s['ttft_s']['p50']} s")
-            if "valkey_during_replay" in reports[-1].options:
-                _log(f"{config}: {l2_line(reports[-1], model_dir)}")
+        for round_idx in range(args.pairs):
+            rounds.append([])
+            for config in round_order(configs, round_idx):
+                report = run_config(config, args, model_dir, trace, requests, work_dir, range_extra, prime_prompt)
+                report.options["round"] = round_idx
+                rounds[-1].append(report)
+                s = report.summary
+                _log(f"{config}: {s['num_ok']}/{s['num_requests']} ok, TTFT p50 {s['ttft_s']['p50']} s"
+                     + (f" (round {round_idx + 1} of {args.pairs})" if args.pairs > 1 else ""))
+                if "valkey_during_replay" in report.options:
+                    _log(f"{config}: {l2_line(report, model_dir)}")
+            rounds[-1].sort(key=lambda r: configs.index(r.label))
+        reports = [r for reports_of_round in rounds for r in reports_of_round]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else Path(args.results_dir) / f"replay-{stamp}.json"
     extra = run_extra([sys.executable, *sys.argv], model=str(model_dir), trace=info, loadavg_start=load_start)
-    write_json(out, reports, extra=extra)
+    baseline = "none" if "none" in configs or not configs else configs[0]
+    if len(rounds) > 1:
+        extra["paired"] = paired_doc(rounds, baseline)
+    write_json(out, rounds[0] if rounds else reports, baseline=baseline,
+               extra={**extra, "all_rounds": [r.to_dict() for r in reports]} if len(rounds) > 1 else extra)
     print()
-    print(format_comparison(reports))
+    print(format_comparison(rounds[0] if rounds else reports, baseline=baseline))
+    if len(rounds) > 1:
+        print()
+        print(format_paired(rounds, baseline))
     print()
     print(f"trace: {info['source']}; " + "; ".join(info["transforms"]))
     print(f"JSON: {out}")
     if not args.no_plot and any(r.results for r in reports):
-        for path in write_plots(out.with_suffix(""), reports):
+        for path in write_plots(out.with_suffix(""), rounds[0] if rounds else reports):
             print(f"PNG: {path}")
     return 1 if any("failed" in r.options for r in reports) else 0
 

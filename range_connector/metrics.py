@@ -198,5 +198,20 @@ PROM_TIER_COUNTERS: dict[str, tuple[str, str]] = {
                                    "Seconds those loads took (the slowest rank's), by the farthest tier they read; "
                                    "over vllm:range_gate_predicted_load_seconds_total it is the gate's bias."),
 }
+#: seconds inside each connector hook, one counter with a ``hook`` label (stats key ``hook_s@<hook>`` -> label)
+PROM_HOOKS = ("vllm:range_hook_seconds",
+              "Seconds the engine spent inside each of Range's connector hooks (the scheduler's in the engine core, "
+              "each worker's summed): Range's own share of the engine's steps.")
+#: the connector hooks that are timed (vLLM's KVConnectorBase_V1 method names)
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+         "request_finished", "start_load_kv", "wait_for_layer_load", "wait_for_save", "get_finished",
+         "get_block_ids_with_load_errors", "build_connector_worker_meta")
+
+
+def hook_key(hook: str) -> str:
+    """The stats key of the seconds spent in connector hook ``hook`` (a labelled Prometheus child)."""
+    return f"hook_s@{hook}"
+
+
 GATE_DECISIONS: dict[str, str] = {"decisions_taken": "taken", "decisions_shortened": "shortened",
                                   "decisions_refused": "refused", "decisions_probes": "probe"}

@@ -48,11 +48,14 @@ COUNTERS: dict[str, str] = {
     "engine_ttft_count": "vllm:time_to_first_token_seconds_count",
     "engine_ttft_sum_s": "vllm:time_to_first_token_seconds_sum",
     **RANGE_COUNTERS,
+    "range_hook_s": "vllm:range_hook_seconds_total",
 }
 TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
 PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 #: Range's tokens loaded per tier (``tier`` label: ``memory``, ``valkey``, ``file``; docs/tiers.md)
 TIER_TOKENS = "vllm:range_tier_loaded_tokens_total"
+#: seconds inside each of Range's connector hooks (``hook`` label: docs/metrics.md)
+HOOK_SECONDS = "vllm:range_hook_seconds_total"
 _QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -65,6 +68,7 @@ class MetricsSnapshot:
         ttft_buckets: ``{url: {upper bound le in s (inf for +Inf): cumulative count}}``.
         prompt_by_source: ``{url: {source: tokens}}``.
         tier_tokens: ``{url: {tier: tokens Range loaded from it}}``.
+        hook_seconds: ``{url: {hook: seconds inside that connector hook}}`` (engines running Range).
         taken_at_s: ``time.monotonic()`` of the reading.
         errors: ``{url: one-line reason}`` for engines that could not be read (absent from the other fields).
     """
@@ -75,9 +79,11 @@ class MetricsSnapshot:
     taken_at_s: float
     errors: dict[str, str] = field(default_factory=dict)
     tier_tokens: dict[str, dict[str, float]] = field(default_factory=dict)
+    hook_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], dict[str, float], dict[str, float]]:
+def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], dict[str, float], dict[str, float],
+                                                           dict[str, float]]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -86,6 +92,7 @@ def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], di
     buckets: dict[float, float] = {}
     sources: dict[str, float] = {}
     tiers: dict[str, float] = {}
+    hooks: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             if sample.name == TTFT_BUCKET:
@@ -97,7 +104,10 @@ def _scrape_labelled(url: str, timeout_s: float) -> tuple[dict[float, float], di
             elif sample.name == TIER_TOKENS:
                 tier = sample.labels.get("tier", "")
                 tiers[tier] = tiers.get(tier, 0.0) + float(sample.value)
-    return buckets, sources, tiers
+            elif sample.name == HOOK_SECONDS:
+                hook = sample.labels.get("hook", "")
+                hooks[hook] = hooks.get(hook, 0.0) + float(sample.value)
+    return buckets, sources, tiers, hooks
 
 
 def snapshot_metrics(urls: Sequence[str], timeout_s: float = 10.0) -> MetricsSnapshot:
@@ -110,15 +120,15 @@ def snapshot_metrics(urls: Sequence[str], timeout_s: float = 10.0) -> MetricsSna
     """
     import httpx
 
-    counters, buckets, sources, tiers, errors = {}, {}, {}, {}, {}
+    counters, buckets, sources, tiers, hooks, errors = {}, {}, {}, {}, {}, {}
     for url in urls:
         try:
             counters[url] = scrape_metrics(url, timeout_s=timeout_s)
-            buckets[url], sources[url], tiers[url] = _scrape_labelled(url, timeout_s)
+            buckets[url], sources[url], tiers[url], hooks[url] = _scrape_labelled(url, timeout_s)
         except (httpx.HTTPError, ValueError) as exc:
             counters.pop(url, None)
             errors[url] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-    return MetricsSnapshot(counters, buckets, sources, time.monotonic(), errors, tiers)
+    return MetricsSnapshot(counters, buckets, sources, time.monotonic(), errors, tiers, hooks)
 
 
 def _total(snapshot: MetricsSnapshot, name: str) -> float:
@@ -296,6 +306,10 @@ def engine_counts(before: MetricsSnapshot, after: MetricsSnapshot) -> EngineCoun
             delta = value - before.tier_tokens.get(url, {}).get(tier, 0.0)
             by_tier[tier] = by_tier.get(tier, 0.0) + delta
             tier_tokens_per_engine.setdefault(url, {})[tier] = delta
+    hook_s: dict[str, float] = {}
+    for url in readable:
+        for hook, value in after.hook_seconds.get(url, {}).items():
+            hook_s[hook] = hook_s.get(hook, 0.0) + value - before.hook_seconds.get(url, {}).get(hook, 0.0)
     return EngineCounts(
         totals=totals, per_engine=per_engine, prompt_by_source=sources,
         engine_ttft_s=_ttft(totals["engine_ttft_count"], totals["engine_ttft_sum_s"], buckets),
@@ -304,6 +318,7 @@ def engine_counts(before: MetricsSnapshot, after: MetricsSnapshot) -> EngineCoun
         extra={"span_s": after.taken_at_s - before.taken_at_s,
                "served_by_tier_share": {t: v / prompt for t, v in sorted(by_tier.items()) if v} if prompt else {},
                "tier_tokens_per_engine": tier_tokens_per_engine,
+               "range_hook_s": {h: round(v, 6) for h, v in sorted(hook_s.items(), key=lambda kv: -kv[1]) if v},
                "unreadable_engines": {**before.errors, **after.errors}, "per_engine_ttft_s": per_engine_ttft},
         range_engines=tuple(url for url in readable if RANGE_COUNTERS["range_loaded_tokens"] in after.counters[url]),
     )

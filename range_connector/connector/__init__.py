@@ -1,5 +1,6 @@
 """``RangeConnector``: vLLM's KV-connector facade. It builds the scheduler or the worker half by role and every
-hook is one delegating line (the halves are :class:`~range_connector.scheduler.facade.RangeScheduler` and
+hook is one delegating line, timed (``vllm:range_hook_seconds_total{hook}``: Range's own share of the engine's steps;
+the halves are :class:`~range_connector.scheduler.facade.RangeScheduler` and
 :class:`~range_connector.worker.facade.RangeWorker`). On a context-parallel rank (several writer ranks: PCP size P > 1,
 or DCP size D > 1) the worker hooks go to :class:`~range_connector.worker.pcp_router.PcpWorkerRouter` instead, which
 wraps the rank's own ``RangeWorker`` and the ranks' agreement and per-layer exchange
@@ -7,7 +8,10 @@ wraps the rank's own ``RangeWorker`` and the ranks' agreement and per-layer exch
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from range_connector import compat
 from range_connector.connector.stats import RangeConnectorStats, RangePromMetrics
 from range_connector.kv.metadata import RangeConnectorMetadata, RangeWorkerMetadata
-from range_connector.metrics import stats_delta
+from range_connector.metrics import hook_key, stats_delta
 from range_connector.scheduler.facade import RangeScheduler
 from range_connector.spec import NO_MLA_FALLBACK_ENV, RangeSpec
 from range_connector.worker.facade import RangeWorker
@@ -41,6 +45,21 @@ if TYPE_CHECKING:
 __all__ = ["NO_MLA_FALLBACK_ENV", "RangeConnector", "RangeStepMetadata", "RangeWorkerReport"]
 
 logger = logging.getLogger("vllm." + __name__)
+
+
+def _timed(method: Callable) -> Callable:
+    """Add the seconds spent inside a connector hook to the connector's ``_hook_s`` (stats key
+    :func:`~range_connector.metrics.hook_key` of the method's name). Two ``perf_counter`` calls per hook call."""
+    key = hook_key(method.__name__)
+
+    @functools.wraps(method)
+    def timed(self: RangeConnector, *args: Any, **kwargs: Any) -> Any:
+        start_s = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._hook_s[key] = self._hook_s.get(key, 0.0) + (time.perf_counter() - start_s)
+    return timed
 
 
 @dataclass
@@ -87,6 +106,7 @@ class RangeConnector(KVConnectorBase_V1):
         self._worker: RangeWorker | None = None
         self._pcp: PcpWorkerRouter | None = None  # set on a context-parallel rank (plan.num_writers > 1)
         self._last_stats: dict[str, int] = {}
+        self._hook_s: dict[str, float] = {}  # stats key (hook_key) -> seconds inside that hook, cumulative
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = spec.build_scheduler()
         else:
@@ -99,12 +119,14 @@ class RangeConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         (self._pcp or self._worker).register_kv_caches(kv_caches)
 
+    @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._pcp is not None:
             self._pcp.start_load_kv(self._bound_metadata())
         else:
             self._worker.start_load(self._bound_metadata())
 
+    @_timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._pcp is not None:
             self._pcp.wait_for_layer_load(layer_name)
@@ -114,27 +136,32 @@ class RangeConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # saves read the registered KV cache in wait_for_save, after every layer ran
 
+    @_timed
     def wait_for_save(self) -> None:
         if self._pcp is not None:
             self._pcp.wait_for_save(self._bound_metadata())
         else:
             self._worker.save(self._bound_metadata())
 
+    @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker.get_finished(finished_req_ids) or None
 
+    @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._pcp is not None:
             return self._pcp.get_block_ids_with_load_errors()
         return self._worker.take_failed_block_ids()
 
+    @_timed
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report = self._pcp.build_connector_worker_meta() if self._pcp is not None else self._worker.build_worker_meta()
         return RangeWorkerReport(report) if report is not None else None
 
     def get_kv_connector_stats(self) -> RangeConnectorStats | None:
         current = ({**self._worker.stats.snapshot(), **bank_gauges(self._worker.banks)} if self._worker is not None
-                   else self._scheduler.counters())
+                   else dict(self._scheduler.counters()))
+        current.update(self._hook_s)
         delta = stats_delta(current, self._last_stats)
         return RangeConnectorStats(data=delta) if delta else None
 
@@ -174,20 +201,25 @@ class RangeConnector(KVConnectorBase_V1):
         return self.spec.rank_view(meta.plan)
 
     # ------------------------------------------------------------ scheduler side
+    @_timed
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
 
+    @_timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return RangeStepMetadata(self._scheduler.build_connector_meta(scheduler_output))
 
+    @_timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self._scheduler.update_connector_output(meta.report if isinstance(meta, RangeWorkerReport) else None,
                                                 set(connector_output.finished_recving or ()))
 
+    @_timed
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 

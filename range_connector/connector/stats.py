@@ -15,10 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from range_connector.histograms import GAUGE_PREFIX, GAUGES, HISTOGRAMS, bucket_deltas, replay_histogram
 from range_connector.metrics import (
     GATE_DECISIONS,
+    HOOKS,
+    PROM_HOOKS,
     PROM_COUNTERS,
     PROM_GATE,
     PROM_REJECTED,
     PROM_TIER_COUNTERS,
+    hook_key,
     tier_key,
 )
 from range_connector.config.keys import TIER_TYPES
@@ -39,7 +42,8 @@ class RangeConnectorStats(KVConnectorStats):
     ``failed_tokens``, ``aborted_tokens``, ``preempted_load_tokens``). The cost-model gate's counters (scheduler
     side, :meth:`range_connector.cost.gate.DecisionStats.snapshot`): ``decisions_taken``,
     ``decisions_shortened``, ``decisions_refused``, ``decisions_probes``, ``loads_async``, ``loads_pipelined``, and
-    ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as floats). Histogram buckets
+    ``predicted_load_s`` / ``realised_load_s`` / ``realised_loads`` (sums; seconds as floats). Both sides:
+    ``hook_s@<hook>``, seconds spent inside each connector hook (floats). Histogram buckets
     (``hist:<name>@<tier>#<i>`` counts and ``...#<i>s`` sums) and gauge levels (``gauge:<name>``) ride in the same
     mapping and add the same way (:mod:`range_connector.histograms`).
     """
@@ -81,6 +85,10 @@ class RangePromMetrics(KVConnectorPromMetrics):
             for tier in TIER_TYPES:
                 self._counters[tier_key(key, tier)] = {idx: by_tier.labels(*values, tier)
                                                        for idx, values in per_engine_labelvalues.items()}
+        hooks = self._counter_cls(name=PROM_HOOKS[0], documentation=PROM_HOOKS[1], labelnames=[*labelnames, "hook"])
+        for hook in HOOKS:
+            self._counters[hook_key(hook)] = {idx: hooks.labels(*values, hook)
+                                              for idx, values in per_engine_labelvalues.items()}
         rejected = self._counter_cls(name=PROM_REJECTED[0], documentation=PROM_REJECTED[1],
                                      labelnames=[*labelnames, "kind"])
         for kind, key in REJECTION_STATS.items():
