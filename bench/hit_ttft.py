@@ -56,6 +56,7 @@ import torch
 from range_connector.backends.base import RangeRead, StripeWrite
 from range_connector.backends.factory import open_shard_backends
 from range_connector.backends.valkey.servers import ensure_servers, stop_servers
+from range_connector.bench.replay_metrics import snapshot_metrics
 from range_connector.bench.trace_prompts import normal_vocab_token_ids
 from range_connector.config import RangeConfig
 from range_connector.testing.client import complete, scrape_metrics, wait_for_metric
@@ -179,20 +180,26 @@ def run_engine(name: str, args: argparse.Namespace, model_dir: Path, run_dir: Pa
             saved += chunks_per_prefix * len(prefixes)
             wait_for_metric(server.base_url, "vllm:range_saved_chunks_total", saved, timeout_s=60.0)
         for i, suffix in enumerate(suffixes[:-1]):
-            before = scrape_metrics(server.base_url)
+            before, hooks_before = scrape_metrics(server.base_url), snapshot_metrics([server.base_url])
             hit = complete(server.base_url, prompt_token_ids=prefixes[0] + suffix, max_tokens=1,
                            timeout_s=args.request_timeout_s)
-            after = scrape_metrics(server.base_url)
+            after, hooks_after = scrape_metrics(server.base_url), snapshot_metrics([server.base_url])
             delta = {k.removeprefix("vllm:"): after.get(k, 0.0) - before.get(k, 0.0) for k in (
                 "vllm:range_tier_loaded_tokens_total", "vllm:range_failed_tokens_total",
                 "vllm:range_load_deadline_misses_total", "vllm:range_load_seconds_sum")}
+            # where Range's part of the hit went: seconds inside each connector hook (vllm:range_hook_seconds_total)
+            earlier = hooks_before.hook_seconds.get(server.base_url, {})
+            delta["hook_s"] = {h: round(v - earlier.get(h, 0.0), 4)
+                               for h, v in hooks_after.hook_seconds.get(server.base_url, {}).items()
+                               if v - earlier.get(h, 0.0) > 0.0005}
             hit_ok = (hit.cached_tokens or 0) >= args.prefix_tokens
             if kv_config is not None:
                 hit_ok = hit_ok and delta["range_tier_loaded_tokens_total"] >= args.prefix_tokens
             rows.append({"repeat": i - args.warmup, "hit_ttft_s": hit.ttft_s, "hit_cached_tokens": hit.cached_tokens,
                          "hit_ok": hit_ok, **delta})
+            hooks = ", ".join(f"{h} {v:.3f} s" for h, v in sorted(delta["hook_s"].items(), key=lambda kv: -kv[1]))
             _log(f"{name}: hit {i - args.warmup}: {hit.ttft_s:.3f} s (cached {hit.cached_tokens}, "
-                 f"{'ok' if hit_ok else 'MISSING'})")
+                 f"{'ok' if hit_ok else 'MISSING'})" + (f"; in Range's hooks: {hooks}" if hooks else ""))
     measured = [r for r in rows if r["repeat"] >= 0]
     return {"startup_s": startup_s, "kv_transfer_config": kv_config, "rows": rows, "cold_ttft_s": cold_s,
             "cold_ttft_s_median": _median(cold_s),
