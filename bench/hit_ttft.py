@@ -356,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(result))
     print(f"JSON: {out}")
+    for name in result["engines"]:  # the engines' logs stay next to the JSON (the tier data does not)
+        log = work_dir / name / "vllm.log"
+        if log.is_file():
+            shutil.copyfile(log, out.with_name(f"{out.stem}-{name}.log"))
+            print(f"log: {out.with_name(f'{out.stem}-{name}.log')}")
     shutil.rmtree(work_dir, ignore_errors=True)
     return 0 if all(v["all_hits"] for v in result["verdicts"].values()) else 1
 
