@@ -96,7 +96,9 @@ CONFIGS = ("none", "range", "example")
 RANGE_VARIANTS = {f"range-{mode}": {"load_mode": mode} for mode in ("pipelined", "async", "sync", "auto")}
 #: Range with a tier hierarchy (docs/tiers.md): the DRAM tier's budget is ``--dram-bytes``
 TIER_VARIANTS = ("range-dram", "range-valkey", "range-dram+valkey")
-OPTIONAL_CONFIGS = (*LMCACHE_CONFIGS, *RANGE_VARIANTS, *TIER_VARIANTS)
+#: ``null``: vLLM with a connector that does nothing (range_connector/connector/null.py), so that vLLM's own
+#: per-step connector plumbing can be told from what a real connector adds
+OPTIONAL_CONFIGS = (*LMCACHE_CONFIGS, *RANGE_VARIANTS, *TIER_VARIANTS, "null")
 #: memory limit of the Valkey server of ``lmcache-resp`` and ``lmcache-range`` (the trace's objects must fit)
 LMCACHE_VALKEY_MAXMEMORY_BYTES = 4 << 30
 PRIME_SEED = 987_654_321  # prompts from this seed share no block with the trace's
@@ -130,6 +132,10 @@ def kv_transfer_config(config: str, run_dir: Path, range_extra: dict[str, Any],
         # The engine finds the server and its password through runtime_dir: no password on its command line.
         extra = {**range_extra, **RANGE_VARIANTS.get(config, {}), "runtime_dir": str(runtime_dir), "num_shards": 1}
         return connector_config(with_tier_settings(extra, type="valkey")), [runtime_dir]
+    if config == "null":  # vLLM's connector plumbing alone: a connector whose every hook returns at once
+        from range_connector.connector.null import null_connector_config
+
+        return null_connector_config(), []
     if config == "example":
         storage = run_dir / "example-kv"
         storage.mkdir(parents=True, exist_ok=True)
