@@ -36,6 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from range_connector.bench import demo  # noqa: E402
+from range_connector.bench.stack import log  # noqa: E402
 from range_connector.bench.fleet import CONFIGS, NUM_SHARDS, per_engine_lines, run_fleet  # noqa: E402
 
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     trace = demo.load_trace(args.trace, count=args.count, token_scale=args.token_scale, duration_s=args.duration_s)
     for line in trace.describe_lines():
-        demo._log(line)
+        log(line)
     model_dir = build_model("gqa", args.model_size)
     vocab = normal_vocab_token_ids(model_dir)
     requests = build_requests(trace, PromptBuilder(vocab, seed=0))

@@ -54,21 +54,32 @@ one ``FAILED:`` line, otherwise; 130 when interrupted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from range_connector.testing.client import complete
-from range_connector.testing.processes import free_port
-from range_connector.testing.server_process import ServerProcess, connector_config
+from range_connector.bench.stack import (
+    BLOCK_TOKENS,
+    CHUNK_TOKENS,
+    MAX_MODEL_LEN_TOKENS,
+    NUM_SHARDS,
+    PROXY_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    Cleanup,
+    DemoError,
+    ProxyProcess,
+    engine_server,
+    log,
+    one_line,
+    replay_primed,
+)
+from range_connector.testing.server_process import connector_config
 
 if TYPE_CHECKING:
     from range_connector.bench.replay import ReplayReport, ReplayRequest
@@ -78,106 +89,14 @@ if TYPE_CHECKING:
 __all__ = ["decode_engine_view", "load_trace", "main"]
 
 DEMO_DIR = Path(".cache") / "range-connector" / "demo"
-NUM_SHARDS = 2
-BLOCK_TOKENS = 64
-CHUNK_TOKENS = NUM_SHARDS * BLOCK_TOKENS
-MAX_MODEL_LEN_TOKENS = 4096
 SYNTHETIC_REQUESTS = 40
 SYNTHETIC_TOKEN_SCALE = 1 / 16
 TRACE_REQUESTS = 100
 TRACE_TOKEN_SCALE = 1 / 32
 TRACE_DURATION_S = 90.0
 PRIME_SEED = 987_654_321  # the priming prompt shares no block with the trace's (seed 0)
-STARTUP_TIMEOUT_S = 600.0
-PROXY_TIMEOUT_S = 60.0
-REQUEST_TIMEOUT_S = 300.0
-ENGINE_ARGS = ("--enable-prompt-tokens-details",)  # cached tokens per request in the client's usage
 
 _T0 = time.monotonic()
-
-
-class DemoError(RuntimeError):
-    """A step of the demo failed; the message is one line."""
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - _T0:5.0f}s] {message}", flush=True)
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-class _Cleanup(contextlib.ExitStack):
-    """An ExitStack whose unwinding (stopping processes) is not cut short by a second Ctrl-C or SIGTERM."""
-
-    def __exit__(self, *exc: Any) -> bool:
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            return super().__exit__(*exc)
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-
-class ProxyProcess:
-    """``range-connector proxy`` as a subprocess in its own process group, logging to ``log_path``.
-
-    Args:
-        engine_args: The proxy's engine options, e.g. ``["--prefill", url, "--decode", url]`` or
-            ``["--engine", url, "--engine", url, "--policy", "prefix_aware"]``.
-        log_path: File for the proxy's output.
-    """
-
-    def __init__(self, engine_args: list[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [sys.executable, "-c", "import sys; from range_connector.cli import main; sys.exit(main())",
-                        "proxy", *engine_args, "--port", str(self.port),
-                        "--health-interval-s", "2", "--timeout-s", str(REQUEST_TIMEOUT_S)]
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> ProxyProcess:
-        with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log_file,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Wait until ``GET /health`` answers 200.
-
-        Raises:
-            DemoError: The proxy exited, or did not answer within ``timeout_s`` seconds.
-        """
-        import httpx
-
-        if self.process is None:
-            raise RuntimeError("wait_ready() before the proxy was started")
-        deadline_s = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise DemoError(f"proxy exited with code {self.process.returncode}: "
-                                f"{_one_line(self.log_path.read_text(errors='replace')[-400:])} (log {self.log_path})")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            if time.monotonic() > deadline_s:
-                raise DemoError(f"proxy {self.url} not healthy within {timeout_s:g} s (log {self.log_path})")
-            time.sleep(0.3)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=5)
 
 
 def load_trace(trace_path: str | None, *, count: int | None, token_scale: float | None,
@@ -250,24 +169,6 @@ def decode_engine_view(engine: EngineCounts | None, decode_url: str) -> EngineCo
                "both_engines": {"totals": engine.totals, "engine_ttft_s": engine.engine_ttft_s}})
 
 
-def _engine(model_dir: Path, run_dir: Path, name: str, core: str, kv_cache_gib: int,
-            kv_config: str | None) -> ServerProcess:
-    return ServerProcess(model_dir, work_dir=run_dir / name, block_size=BLOCK_TOKENS,
-                         max_model_len=MAX_MODEL_LEN_TOKENS, kv_transfer_config=kv_config,
-                         kvcache_space_gib=kv_cache_gib, omp_threads_bind=core, extra_args=ENGINE_ARGS,
-                         log_path=run_dir / f"{name}.log")
-
-
-def _replay(url: str, requests: list[ReplayRequest], trace: Trace, label: str, metrics_urls: list[str],
-            prime: list[int]) -> ReplayReport:
-    from range_connector.bench.replay import run_replay
-
-    complete(url, prompt_token_ids=prime, max_tokens=2, timeout_s=REQUEST_TIMEOUT_S)  # one-off first-request costs
-    _log(f"{label}: replaying {len(requests)} requests over {trace.describe()['duration_s']:.0f} s of arrivals")
-    return run_replay(url, requests, metrics_urls=metrics_urls, label=label, trace=trace,
-                      request_timeout_s=REQUEST_TIMEOUT_S, progress=True)
-
-
 def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
                       prime: list[int]) -> ReplayReport:
     """Valkey (2 shards), prefill and decode engines with Range, the proxy; replay through the proxy; stop all.
@@ -282,26 +183,26 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayReque
     from range_connector.backends.valkey.urls import redact_url
 
     valkey_dir = run_dir / "valkey"
-    with _Cleanup() as cleanup:
-        cleanup.callback(lambda: _log(f"stopped {stop_servers(valkey_dir)} Valkey server(s)"))
+    with Cleanup() as cleanup:
+        cleanup.callback(lambda: log(f"stopped {stop_servers(valkey_dir)} Valkey server(s)"))
         urls = ensure_servers(NUM_SHARDS, valkey_dir)
-        _log(f"Valkey: {NUM_SHARDS} shards at {', '.join(map(redact_url, urls))} (runtime dir {valkey_dir})")
+        log(f"Valkey: {NUM_SHARDS} shards at {', '.join(map(redact_url, urls))} (runtime dir {valkey_dir})")
         # The engines find the servers and their password through runtime_dir: no password on a command line.
         common = {"chunk_tokens": CHUNK_TOKENS, "num_shards": NUM_SHARDS, "runtime_dir": str(valkey_dir),
                   "tiers": [{"type": "valkey"}]}
-        prefill = _engine(model_dir, run_dir, "prefill", "0", 1, connector_config(common, role="kv_producer"))
-        decode = _engine(model_dir, run_dir, "decode", "1", 1, connector_config(common, role="kv_consumer"))
-        cleanup.callback(lambda: _log("stopped the prefill and decode engines"))
+        prefill = engine_server(model_dir, run_dir, "prefill", "0", 1, connector_config(common, role="kv_producer"))
+        decode = engine_server(model_dir, run_dir, "decode", "1", 1, connector_config(common, role="kv_consumer"))
+        cleanup.callback(lambda: log("stopped the prefill and decode engines"))
         for name, server in (("prefill", prefill), ("decode", decode)):
             cleanup.enter_context(server)
-            _log(f"{name} engine starting on {server.base_url} (core {server.omp_threads_bind}, log {server.log_path})")
+            log(f"{name} engine starting on {server.base_url} (core {server.omp_threads_bind}, log {server.log_path})")
         for name, server in (("prefill", prefill), ("decode", decode)):
-            _log(f"{name} engine ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
+            log(f"{name} engine ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
         proxy = cleanup.enter_context(ProxyProcess(["--prefill", prefill.base_url, "--decode", decode.base_url],
                                                      run_dir / "proxy.log"))
         proxy.wait_ready(PROXY_TIMEOUT_S)
-        _log(f"proxy ready on {proxy.url} (log {proxy.log_path})")
-        report = _replay(proxy.url, requests, trace, "range-pd", [prefill.base_url, decode.base_url], prime)
+        log(f"proxy ready on {proxy.url} (log {proxy.log_path})")
+        report = replay_primed(proxy.url, requests, trace, "range-pd", [prefill.base_url, decode.base_url], prime)
         both = report.engine
         report.engine = decode_engine_view(both, decode.base_url)
         tier = [{"shard": s.shard_idx, "used_memory_bytes": s.used_memory_bytes, "num_keys": s.num_keys}
@@ -311,22 +212,22 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayReque
                               engines={"prefill": prefill.command(), "decode": decode.command()})
         if both is not None and prefill.base_url in both.per_engine:
             p = both.per_engine[prefill.base_url]
-            _log(f"prefill engine: {p['prompt_tokens']:.0f} prompt tokens, {p['local_hit_tokens']:.0f} from its own "
+            log(f"prefill engine: {p['prompt_tokens']:.0f} prompt tokens, {p['local_hit_tokens']:.0f} from its own "
                  f"prefix cache; Valkey now holds {sum(t['used_memory_bytes'] or 0 for t in tier) / 2**20:.0f} MiB "
                  f"in {sum(t['num_keys'] or 0 for t in tier)} keys over {len(tier)} shards")
-        _log("range-pd: done; stopping the proxy, the engines and Valkey")
+        log("range-pd: done; stopping the proxy, the engines and Valkey")
     return report
 
 
 def run_baseline(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
                  prime: list[int]) -> ReplayReport:
     """One vLLM engine without a connector (core 0); replay; stop it. Returns the ``none`` report."""
-    with _Cleanup() as cleanup:
-        server = cleanup.enter_context(_engine(model_dir, run_dir, "none", "0", 1, None))
-        cleanup.callback(lambda: _log("stopped the engine without a connector"))
-        _log(f"none: engine without a connector starting on {server.base_url} (core 0, log {server.log_path})")
-        _log(f"none: ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
-        report = _replay(server.base_url, requests, trace, "none", [server.base_url], prime)
+    with Cleanup() as cleanup:
+        server = cleanup.enter_context(engine_server(model_dir, run_dir, "none", "0", 1, None))
+        cleanup.callback(lambda: log("stopped the engine without a connector"))
+        log(f"none: engine without a connector starting on {server.base_url} (core 0, log {server.log_path})")
+        log(f"none: ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
+        report = replay_primed(server.base_url, requests, trace, "none", [server.base_url], prime)
         report.options.update(logs={"none": str(server.log_path)}, engines={"none": server.command()})
     return report
 
@@ -367,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         demo_dir = args.demo_dir.resolve()
         run_dir = demo_dir / "run"
         if (run_dir / "valkey").is_dir() and (stopped := stop_servers(run_dir / "valkey")):
-            _log(f"stopped {stopped} Valkey server(s) left by an earlier demo run")
+            log(f"stopped {stopped} Valkey server(s) left by an earlier demo run")
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         try:
@@ -376,15 +277,15 @@ def main(argv: list[str] | None = None) -> int:
             raise DemoError(f"--trace: {exc}") from exc
         info = trace.describe()
         for line in trace.describe_lines():
-            _log(line)
-        _log(f"building (or finding) the {args.model_size} GQA model")
+            log(line)
+        log(f"building (or finding) the {args.model_size} GQA model")
         model_dir = build_model("gqa", args.model_size)
         vocab = normal_vocab_token_ids(model_dir)
         from range_connector.bench.replay import build_requests
 
         requests = build_requests(trace, PromptBuilder(vocab, seed=0))
         prime = PromptBuilder(vocab, seed=PRIME_SEED).block(0, 64).tolist()
-        _log(f"model {model_dir}; machine load average {load_start[0]:.1f} on {os.cpu_count()} cores")
+        log(f"model {model_dir}; machine load average {load_start[0]:.1f} on {os.cpu_count()} cores")
         pd_report = run_disaggregated(model_dir, run_dir, requests, trace, prime)
         none_report = run_baseline(model_dir, run_dir, requests, trace, prime)
         reports = [none_report, pd_report]
@@ -417,10 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     except KeyboardInterrupt:
-        _log("interrupted; everything the demo started is stopped")
+        log("interrupted; everything the demo started is stopped")
         return 130
     except Exception as exc:  # noqa: BLE001 - one line, processes already stopped by the phases' cleanup
-        print(f"FAILED: {type(exc).__name__}: {_one_line(exc)}", flush=True)
+        print(f"FAILED: {type(exc).__name__}: {one_line(exc)}", flush=True)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)

@@ -1,4 +1,4 @@
-"""A fleet of two ``kv_both`` engines behind ``range-connector proxy``: round robin or prefix-aware, without or with Range.
+"""Two ``kv_both`` engines behind ``range-connector proxy``: round robin or prefix-aware, without or with Range.
 
 :func:`run_fleet` runs one configuration: it starts two vLLM engines (``kv_both``; core 0 and core 1, started in
 parallel, vLLM's own prefix cache on, as users run them), ``range-connector proxy --engine A --engine B --policy P``
@@ -15,8 +15,8 @@ computed by the other engine, or by itself and evicted since. :func:`per_engine_
 shares, so that the split shows.
 
 Used by ``bench/fleet.py`` (any of the four, one table) and by the demo (``prefix-none`` against ``prefix-range``).
-Engine settings (block size, chunk size, model length, the priming prompt) are the demo's
-(:mod:`range_connector.bench.demo`).
+Engine settings (block size, chunk size, model length) are the demo's
+(:mod:`range_connector.bench.stack`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from range_connector.bench import demo
+from range_connector.bench import stack
 from range_connector.testing.client import complete
 from range_connector.testing.server_process import connector_config
 
@@ -40,7 +40,7 @@ CONFIGS = ("rr-none", "prefix-none", "rr-range", "prefix-range")
 #: the configuration's policy part -> the proxy's ``--policy``
 POLICIES = {"rr": "round_robin", "prefix": "prefix_aware"}
 NUM_ENGINES = 2
-NUM_SHARDS = 2
+NUM_SHARDS = stack.NUM_SHARDS
 
 
 def split_config(config: str) -> tuple[str, str]:
@@ -90,32 +90,32 @@ def run_fleet(config: str, model_dir: Path, run_dir: Path, requests: list[Replay
     policy, connector = split_config(config)
     run_dir = run_dir / config
     valkey_dir = run_dir / "valkey"
-    with demo._Cleanup() as cleanup:
+    with stack.Cleanup() as cleanup:
         kv_config = None
         if connector == "range":
-            cleanup.callback(lambda: demo._log(f"{config}: stopped {stop_servers(valkey_dir)} Valkey server(s)"))
+            cleanup.callback(lambda: stack.log(f"{config}: stopped {stop_servers(valkey_dir)} Valkey server(s)"))
             urls = ensure_servers(NUM_SHARDS, valkey_dir)
-            demo._log(f"{config}: Valkey: {NUM_SHARDS} shards at {', '.join(map(redact_url, urls))}")
-            kv_config = connector_config({"chunk_tokens": demo.CHUNK_TOKENS, "num_shards": NUM_SHARDS,
+            stack.log(f"{config}: Valkey: {NUM_SHARDS} shards at {', '.join(map(redact_url, urls))}")
+            kv_config = connector_config({"chunk_tokens": stack.CHUNK_TOKENS, "num_shards": NUM_SHARDS,
                                           "runtime_dir": str(valkey_dir), "tiers": [{"type": "valkey"}],
                                           **(range_extra or {})})
-        engines = [demo._engine(model_dir, run_dir, f"engine{idx}", str(idx), kv_cache_gib, kv_config)
+        engines = [stack.engine_server(model_dir, run_dir, f"engine{idx}", str(idx), kv_cache_gib, kv_config)
                    for idx in range(NUM_ENGINES)]
-        cleanup.callback(lambda: demo._log(f"{config}: stopped the proxy and both engines"))
+        cleanup.callback(lambda: stack.log(f"{config}: stopped the proxy and both engines"))
         for server in engines:  # all start before any is waited for: the starts overlap
             cleanup.enter_context(server)
-            demo._log(f"{config}: engine starting on {server.base_url} (core {server.omp_threads_bind}, "
+            stack.log(f"{config}: engine starting on {server.base_url} (core {server.omp_threads_bind}, "
                       f"log {server.log_path})")
         for server in engines:
-            demo._log(f"{config}: engine on {server.base_url} ready after "
-                      f"{server.wait_ready(timeout_s=demo.STARTUP_TIMEOUT_S):.0f} s")
+            stack.log(f"{config}: engine on {server.base_url} ready after "
+                      f"{server.wait_ready(timeout_s=stack.STARTUP_TIMEOUT_S):.0f} s")
         for server in engines:
-            complete(server.base_url, prompt_token_ids=prime, max_tokens=2, timeout_s=demo.REQUEST_TIMEOUT_S)
+            complete(server.base_url, prompt_token_ids=prime, max_tokens=2, timeout_s=stack.REQUEST_TIMEOUT_S)
         engine_args = [arg for server in engines for arg in ("--engine", server.base_url)]
-        proxy = cleanup.enter_context(demo.ProxyProcess([*engine_args, "--policy", policy], run_dir / "proxy.log"))
-        proxy.wait_ready(demo.PROXY_TIMEOUT_S)
-        demo._log(f"{config}: proxy --policy {policy} ready on {proxy.url} (log {proxy.log_path})")
-        report = demo._replay(proxy.url, requests, trace, config, [server.base_url for server in engines], prime)
+        proxy = cleanup.enter_context(stack.ProxyProcess([*engine_args, "--policy", policy], run_dir / "proxy.log"))
+        proxy.wait_ready(stack.PROXY_TIMEOUT_S)
+        stack.log(f"{config}: proxy --policy {policy} ready on {proxy.url} (log {proxy.log_path})")
+        report = stack.replay_primed(proxy.url, requests, trace, config, [server.base_url for server in engines], prime)
         status = httpx.get(f"{proxy.url}/proxy/status", timeout=5.0).json()
         report.options.update(
             proxy_status=status, engines={server.base_url: server.command() for server in engines},
@@ -123,7 +123,7 @@ def run_fleet(config: str, model_dir: Path, run_dir: Path, requests: list[Replay
         if connector == "range":
             report.options["valkey"] = [{"shard": s.shard_idx, "used_memory_bytes": s.used_memory_bytes,
                                          "num_keys": s.num_keys} for s in server_status(valkey_dir)]
-        demo._log(f"{config}: done; stopping the proxy, the engines" + (" and Valkey" if connector == "range" else ""))
+        stack.log(f"{config}: done; stopping the proxy, the engines" + (" and Valkey" if connector == "range" else ""))
     return report
 
 
