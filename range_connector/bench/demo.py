@@ -1,4 +1,4 @@
-"""``make demo``: disaggregated prefill through Range on the CPU, replaying a trace, against one engine without it.
+"""``make demo``: what Range is for on the CPU, replaying one trace: P/D and a fleet, each against what users run.
 
 Run ``python -m range_connector.bench.demo`` (``make demo``; ``make demo TRACE=file`` adds ``--trace file``). It
 
@@ -7,11 +7,20 @@ Run ``python -m range_connector.bench.demo`` (``make demo``; ``make demo TRACE=f
    (``kv_role`` ``kv_producer``, core 0) and a decode engine (``kv_role`` ``kv_consumer``, core 1), both with Range
    on those servers, then ``range-connector proxy`` in front of them;
 3. replays the trace through the proxy (:func:`range_connector.bench.replay.run_replay`: each request at its arrival
-   time, streamed, greedy, ``ignore_eos``), reading both engines' ``/metrics`` around it, and stops all of that;
+   time, streamed, greedy, ``ignore_eos``), reading both engines' ``/metrics`` around it, and stops all of that
+   (``range-pd``);
 4. replays the same trace against one vLLM engine without a connector (``none``, core 0, vLLM's own prefix cache
    on, like the two P/D engines);
-5. prints the side-by-side table (:func:`range_connector.bench.replay_report.format_comparison`: ``range-pd`` against
-   ``none``, with ratios), then the paths of the JSON and the two PNGs in ``<demo dir>/results``.
+5. unless ``--no-fleet``, replays it twice more through ``range-connector proxy --policy prefix_aware`` in front of
+   two ``kv_both`` engines (core 0 and core 1, started in parallel, vLLM's prefix cache on;
+   :func:`range_connector.bench.fleet.run_fleet`): without a connector (``prefix-none``, what users run today) and
+   with Range on two embedded Valkey shards both engines share (``prefix-range``);
+6. prints the P/D table (:func:`range_connector.bench.replay_report.format_comparison`: ``range-pd`` against
+   ``none``, with ratios), then the fleet table (``prefix-range`` against ``prefix-none``) and each fleet engine's
+   shares (from its own prefix cache, loaded from the shared tier), each table followed by a verdict line that
+   says whether Range was faster or slower than the alternative at TTFT p50 and p99 (:func:`ttft_verdict`, from
+   the reports), then how to add LMCache's column (:func:`lmcache_hint`), then the paths of the JSON (all four
+   reports) and the two PNGs in ``<demo dir>/results``.
 
 The trace: by default the built-in synthetic Mooncake-format trace
 (:func:`range_connector.bench.synthetic_trace.synthetic_trace`: 40 requests, multi-turn conversations over shared system
@@ -37,18 +46,24 @@ model                                      prefill tokens/s             TTFT 2,0
 =========================================  ===========================  ============  ===========
 
 The bench model is fast enough: the scaled synthetic trace needs about 5,000 tokens of prefill that no prefix cache
-can serve (15-20 s of one core) within its 47 s of arrivals, and the whole demo takes about 3-4 minutes once the
-model is built. It is the one worth showing: its KV per token is an 8B Llama's, so the 2.5 GB of KV the decode
-engine loads is real work for the tier, where the tiny model's 2 KiB a token would make every load free.
-``--model-size tiny`` runs the demo on the tiny model instead.
+can serve (15-20 s of one core) within its 47 s of arrivals. P/D and ``none`` take about 5 minutes once the model is
+built, the fleet phase about 5 more (each engine start is 35-50 s on 2 cores). It is the one worth showing: its KV
+per token is an 8B Llama's, so the 2.5 GB of KV the decode engine loads is real work for the tier, where the tiny
+model's 2 KiB a token would make every load free. ``--model-size tiny`` runs the demo on the tiny model instead.
+
+Counting in the fleet: each prompt is counted once, on the engine that served it, so the fleet columns' engine rows
+sum both engines; a tier hit there is a prefix that engine's own cache did not hold (computed by the other engine,
+or by itself and evicted since).
 
 Engines: block size 64 tokens and chunks of 128 (one block per shard per chunk; at the default 128/256 most of these
 short prompts would end inside their last, unsaved chunk), ``--enforce-eager``, ``max_model_len`` 4096, KV cache
-1 GiB each (prefill, decode, ``none``: the machine is shared; 2 GiB ran it out of memory once).
+1 GiB each (prefill, decode, ``none``, the fleet's engines: the machine is shared; 2 GiB ran it out of memory once).
+Range's settings are the same in P/D and in the fleet.
 
 Everything it started (engines, proxy, Valkey) is stopped on success, on errors and on Ctrl-C or SIGTERM. Exit
-status: 0 when every request of both replays succeeded and the decode engine loaded tokens from the tier; 1, with
-one ``FAILED:`` line, otherwise; 130 when interrupted.
+status: 0 when every request of every replay (P/D, ``none`` and the fleet's two) succeeded and the decode engine
+loaded tokens from the tier; 1, with one ``FAILED:`` line, otherwise (whether ``prefix-range`` loaded anything from
+the tier is reported, not required); 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -56,6 +71,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -82,11 +98,14 @@ from range_connector.bench.stack import (
 from range_connector.testing.server_process import connector_config
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from range_connector.bench.replay import ReplayReport, ReplayRequest
     from range_connector.bench.replay_metrics import EngineCounts
     from range_connector.bench.traces import Trace
 
-__all__ = ["decode_engine_view", "load_trace", "main"]
+__all__ = ["FLEET_CONFIGS", "decode_engine_view", "failures", "lmcache_hint", "load_trace", "main", "results_text",
+           "ttft_verdict"]
 
 DEMO_DIR = Path(".cache") / "range-connector" / "demo"
 SYNTHETIC_REQUESTS = 40
@@ -95,6 +114,11 @@ TRACE_REQUESTS = 100
 TRACE_TOKEN_SCALE = 1 / 32
 TRACE_DURATION_S = 90.0
 PRIME_SEED = 987_654_321  # the priming prompt shares no block with the trace's (seed 0)
+#: the fleet phase's configurations (:data:`range_connector.bench.fleet.CONFIGS`), its baseline first
+FLEET_CONFIGS = ("prefix-none", "prefix-range")
+#: what each configuration's baseline is, in words (the verdict lines name it)
+BASELINE_NAMES = {"none": "one engine without a connector",
+                  "prefix-none": "two engines behind the prefix-aware proxy without a connector"}
 
 _T0 = time.monotonic()
 
@@ -232,13 +256,130 @@ def run_baseline(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], 
     return report
 
 
+def run_fleet_phase(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
+                    prime: list[int]) -> list[ReplayReport]:
+    """The fleet phase: :data:`FLEET_CONFIGS` one after the other (:func:`range_connector.bench.fleet.run_fleet`).
+
+    Returns:
+        One report per configuration, in :data:`FLEET_CONFIGS`' order (``prefix-none`` first).
+
+    Raises:
+        DemoError, ServerError: A process did not start (the message names its log).
+    """
+    from range_connector.bench.fleet import run_fleet
+
+    return [run_fleet(config, model_dir, run_dir, requests, trace, prime) for config in FLEET_CONFIGS]
+
+
+def _ttft_s(report: ReplayReport, quantile: str) -> float | None:
+    value = (report.summary.get("ttft_s") or {}).get(quantile)
+    return None if value is None else float(value)
+
+
+def ttft_verdict(report: ReplayReport, baseline: ReplayReport) -> str:
+    """One line: is ``report`` (a Range configuration) faster or slower than ``baseline`` at client TTFT p50 and p99?
+
+    Args:
+        report: The Range configuration's replay (``range-pd``, ``prefix-range``).
+        baseline: What a user would otherwise run, on the same trace (``none``, ``prefix-none``).
+
+    Returns:
+        E.g. ``"verdict, range-pd against none (one engine without a connector): Range is slower at TTFT p50 (0.670 s
+        against 0.190 s, 3.53x) and faster at TTFT p99 (1.500 s against 2.000 s, 0.75x)"``. "As fast" only for equal
+        values; a quantile that one of the two lacks (no request succeeded) is "not comparable".
+    """
+    parts = []
+    for quantile in ("p50", "p99"):
+        value_s, base_s = _ttft_s(report, quantile), _ttft_s(baseline, quantile)
+        if value_s is None or base_s is None:
+            lacking = report.label if value_s is None else baseline.label
+            parts.append(f"not comparable at TTFT {quantile} ({lacking} has no successful request)")
+            continue
+        word = "faster" if value_s < base_s else "slower" if value_s > base_s else "as fast"
+        ratio = f", {value_s / base_s:.2f}x" if base_s > 0 else ""
+        parts.append(f"{word} at TTFT {quantile} ({value_s:.3f} s against {base_s:.3f} s{ratio})")
+    name = BASELINE_NAMES.get(baseline.label)
+    against = f"{baseline.label} ({name})" if name else baseline.label
+    return f"verdict, {report.label} against {against}: Range is {' and '.join(parts)}"
+
+
+def lmcache_hint(*, trace_path: str | None, count: int | None, token_scale: float | None, model_size: str,
+                 trace: Trace) -> str:
+    """One line: how to put LMCache's MP connector next to Range and no connector (``bench/replay.py``, one engine
+    each), on the demo's trace, model and block size.
+
+    Args:
+        trace_path, count, token_scale: The demo's ``--trace``, ``--count`` and ``--token-scale``.
+        model_size: The demo's ``--model-size``.
+        trace: The trace the demo replayed (a ``--trace`` file's time factor is read from its transforms).
+    """
+    options = ["--configs none,range,lmcache", f"--model-size {model_size}", f"--block-size {BLOCK_TOKENS}",
+               f"--max-model-len {MAX_MODEL_LEN_TOKENS}"]
+    if trace_path is None:
+        options.append(f"--synthetic-requests {count or SYNTHETIC_REQUESTS}")
+        options.append(f"--token-scale {token_scale or SYNTHETIC_TOKEN_SCALE:g}")
+    else:
+        options += [f"--trace {shlex.quote(trace_path)}", "--conversations", f"--count {count or TRACE_REQUESTS}",
+                    f"--token-scale {token_scale or TRACE_TOKEN_SCALE:g}"]
+        time_notes = [note.removeprefix("time x ") for note in trace.transforms if note.startswith("time x ")]
+        if time_notes:
+            options.append(f"--time-scale {time_notes[-1]}")
+    return ("LMCache's column (one engine each; LMCache lives in its own environment): "
+            f"bash bench/setup_lmcache_env.sh, then .venv/bin/python bench/replay.py {' '.join(options)}")
+
+
+def results_text(pd_report: ReplayReport, none_report: ReplayReport, fleet_reports: Sequence[ReplayReport],
+                 lmcache_line: str) -> str:
+    """What the demo prints after its runs: the P/D table and its verdict, the fleet's table, per-engine shares and
+    verdict (when it ran), and how to add LMCache.
+
+    Args:
+        pd_report, none_report: The ``range-pd`` and ``none`` replays.
+        fleet_reports: The fleet's replays, baseline first (:func:`run_fleet_phase`); empty with ``--no-fleet``.
+        lmcache_line: :func:`lmcache_hint`.
+    """
+    from range_connector.bench.fleet import NUM_SHARDS as FLEET_SHARDS
+    from range_connector.bench.fleet import per_engine_lines
+    from range_connector.bench.replay_report import format_comparison
+
+    lines = ["P/D: range-pd = prefill engine (core 0) + decode engine (core 1) with Range, "
+             f"{NUM_SHARDS} Valkey shards, behind the proxy (engine rows: the decode engine's); "
+             "none = one engine (core 0), no connector",
+             format_comparison([none_report, pd_report]), ttft_verdict(pd_report, none_report)]
+    if fleet_reports:
+        baseline, *others = fleet_reports
+        lines += ["", "Fleet: two kv_both engines (cores 0 and 1) behind range-connector proxy --policy prefix_aware; "
+                      f"prefix-none = no connector, prefix-range = Range on {FLEET_SHARDS} Valkey shards both share "
+                      "(engine rows: both engines)",
+                  format_comparison(fleet_reports, baseline=baseline.label), "per engine:",
+                  *per_engine_lines(fleet_reports), *(ttft_verdict(report, baseline) for report in others)]
+    lines += ["", lmcache_line]
+    return "\n".join(lines)
+
+
+def failures(reports: Sequence[ReplayReport], pd_report: ReplayReport) -> list[str]:
+    """What makes the demo fail: failed requests in any replay, or a decode engine that loaded nothing from the tier.
+
+    Returns:
+        One phrase per failure (joined into the ``FAILED:`` line); empty when the demo succeeded.
+    """
+    failed = [f"{r.label}: {r.summary['num_errors']} of {r.summary['num_requests']} requests failed "
+              f"({', '.join(f'{k} x{v}' for k, v in r.summary['errors'].items())})"
+              for r in reports if r.summary["num_errors"]]
+    check = pd_report.engine.connector_check if pd_report.engine is not None else None
+    if check is None or check["loaded_tokens"] <= 0:  # Range's verified count, not vLLM's admission count
+        failed.append("range-pd: the decode engine loaded no token from the tier")
+    return failed
+
+
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Range connector demo: disaggregated prefill replaying a trace, against "
-                                            "one engine without a connector.")
+    p = argparse.ArgumentParser(description="Range connector demo, replaying one trace: disaggregated prefill against "
+                                            "one engine without a connector, then two engines behind the "
+                                            "prefix-aware proxy without and with Range.")
     p.add_argument("--trace", default=None, help="Mooncake .jsonl or Azure .csv to replay (default: synthetic)")
     p.add_argument("--count", type=int, default=None,
                    help=f"requests (default {SYNTHETIC_REQUESTS} synthetic, {TRACE_REQUESTS} from --trace)")
@@ -249,6 +390,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"--trace arrivals are compressed to span this many seconds (default {TRACE_DURATION_S:g})")
     p.add_argument("--model-size", choices=("bench", "tiny"), default="bench", help="GQA model size (default bench)")
     p.add_argument("--demo-dir", type=Path, default=DEMO_DIR, help=f"work folder (default {DEMO_DIR})")
+    p.add_argument("--no-fleet", dest="fleet", action="store_false",
+                   help=f"skip the fleet phase ({', '.join(FLEET_CONFIGS)}; about 5 minutes)")
     return p.parse_args(argv)
 
 
@@ -259,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     try:
         from range_connector.backends.valkey.servers import stop_servers
-        from range_connector.bench.replay_report import format_comparison, write_json, write_plots
+        from range_connector.bench.replay_report import outputs_equal, ratios, write_json, write_plots
         from range_connector.bench.run_info import run_extra
         from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids
         from range_connector.errors import TraceError
@@ -267,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
 
         demo_dir = args.demo_dir.resolve()
         run_dir = demo_dir / "run"
-        if (run_dir / "valkey").is_dir() and (stopped := stop_servers(run_dir / "valkey")):
-            log(f"stopped {stopped} Valkey server(s) left by an earlier demo run")
+        for valkey_dir in (run_dir / "valkey", *(run_dir / config / "valkey" for config in FLEET_CONFIGS)):
+            if valkey_dir.is_dir() and (stopped := stop_servers(valkey_dir)):
+                log(f"stopped {stopped} Valkey server(s) left by an earlier demo run in {valkey_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         try:
@@ -288,31 +432,38 @@ def main(argv: list[str] | None = None) -> int:
         log(f"model {model_dir}; machine load average {load_start[0]:.1f} on {os.cpu_count()} cores")
         pd_report = run_disaggregated(model_dir, run_dir, requests, trace, prime)
         none_report = run_baseline(model_dir, run_dir, requests, trace, prime)
-        reports = [none_report, pd_report]
+        fleet_reports = run_fleet_phase(model_dir, run_dir, requests, trace, prime) if args.fleet else []
+        reports = [none_report, pd_report, *fleet_reports]
         out = demo_dir / "results" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        verdicts = [ttft_verdict(pd_report, none_report),
+                    *(ttft_verdict(report, fleet_reports[0]) for report in fleet_reports[1:])]
+        fleet_json: dict[str, Any] = {}
+        if fleet_reports:
+            fleet_baseline = fleet_reports[0].label
+            fleet_json = {f"ratios_vs_{fleet_baseline}": ratios(fleet_reports, fleet_baseline),
+                          f"outputs_equal_to_{fleet_baseline}": outputs_equal(fleet_reports, fleet_baseline)}
         extra = run_extra([sys.executable, "-m", "range_connector.bench.demo", *(argv or sys.argv[1:])],
                           model=str(model_dir), trace=info, loadavg_start=load_start, wall_s=time.monotonic() - _T0,
                           engine_settings={"block_tokens": BLOCK_TOKENS, "chunk_tokens": CHUNK_TOKENS,
-                                           "num_shards": NUM_SHARDS, "max_model_len_tokens": MAX_MODEL_LEN_TOKENS})
+                                           "num_shards": NUM_SHARDS, "max_model_len_tokens": MAX_MODEL_LEN_TOKENS},
+                          comparisons={"none": ["range-pd"],
+                                       **({fleet_reports[0].label: [r.label for r in fleet_reports[1:]]}
+                                          if fleet_reports else {})},
+                          verdicts=verdicts, **fleet_json)
         write_json(out, reports, extra=extra)
         pngs = write_plots(out.with_suffix(""), reports)
         print()
-        print(format_comparison(reports))
+        print(results_text(pd_report, none_report, fleet_reports,
+                           lmcache_hint(trace_path=args.trace, count=args.count, token_scale=args.token_scale,
+                                        model_size=args.model_size, trace=trace)))
         print()
         print(f"trace: {info['source']}; " + "; ".join(info["transforms"]))
-        print("range-pd: prefill engine (core 0) + decode engine (core 1) with Range, 2 Valkey shards, behind the "
-              "proxy; engine rows are the decode engine's. none: one engine (core 0), no connector.")
         print(f"JSON: {out}")
         for path in pngs:
             print(f"PNG: {path}")
         print(f"machine load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
               f"demo took {time.monotonic() - _T0:.0f} s")
-        failed = [f"{r.label}: {r.summary['num_errors']} of {r.summary['num_requests']} requests failed "
-                  f"({', '.join(f'{k} x{v}' for k, v in r.summary['errors'].items())})"
-                  for r in reports if r.summary["num_errors"]]
-        check = pd_report.engine.connector_check if pd_report.engine is not None else None
-        if check is None or check["loaded_tokens"] <= 0:  # Range's verified count, not vLLM's admission count
-            failed.append("range-pd: the decode engine loaded no token from the tier")
+        failed = failures(reports, pd_report)
         if failed:
             print(f"FAILED: {'; '.join(failed)}", flush=True)
             return 1
