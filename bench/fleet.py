@@ -2,7 +2,8 @@
 
 For each configuration in ``--configs`` (one at a time) this starts two vLLM engines (``kv_both``; core 0 and core
 1, vLLM's own prefix cache on, as users run them), ``range-connector proxy --engine A --engine B --policy P`` in
-front of them, replays one trace through the proxy at its arrival times, and stops everything:
+front of them, replays one trace through the proxy at its arrival times, and stops everything (the runner is
+:func:`range_connector.bench.fleet.run_fleet`, which the demo's fleet phase uses too):
 
 * ``rr-none``: round robin, no connector;
 * ``prefix-none``: prefix-aware routing, no connector (what users run today);
@@ -35,67 +36,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from range_connector.bench import demo  # noqa: E402
-from range_connector.testing.server_process import connector_config  # noqa: E402
-
-CONFIGS = ("rr-none", "prefix-none", "rr-range", "prefix-range")
-NUM_ENGINES = 2
-NUM_SHARDS = 2
-
-
-def run_fleet(config: str, model_dir: Path, run_dir: Path, requests: list, trace, prime: list[int],
-              kv_cache_gib: int, range_extra: dict):
-    """Valkey (for ``*-range``), two engines, the fleet proxy; replay through it; stop all. Returns the report."""
-    from range_connector.backends.valkey.servers import ensure_servers, server_status, stop_servers
-
-    policy, connector = config.split("-")
-    run_dir = run_dir / config
-    valkey_dir = run_dir / "valkey"
-    with demo._Cleanup() as cleanup:
-        kv_config = None
-        if connector == "range":
-            cleanup.callback(lambda: stop_servers(valkey_dir))
-            ensure_servers(NUM_SHARDS, valkey_dir)
-            kv_config = connector_config({"chunk_tokens": demo.CHUNK_TOKENS, "num_shards": NUM_SHARDS,
-                                          "runtime_dir": str(valkey_dir), "tiers": [{"type": "valkey"}],
-                                          **range_extra})
-        engines = [demo._engine(model_dir, run_dir, f"engine{idx}", str(idx), kv_cache_gib, kv_config)
-                   for idx in range(NUM_ENGINES)]
-        for server in engines:
-            cleanup.enter_context(server)
-        for server in engines:
-            demo._log(f"{config}: engine on {server.base_url} (core {server.omp_threads_bind}) ready after "
-                      f"{server.wait_ready(timeout_s=demo.STARTUP_TIMEOUT_S):.0f} s")
-        engine_args = [arg for server in engines for arg in ("--engine", server.base_url)]
-        engine_args += ["--policy", "prefix_aware" if policy == "prefix" else "round_robin"]
-        proxy = cleanup.enter_context(demo.ProxyProcess(engine_args, run_dir / "proxy.log"))
-        proxy.wait_ready(demo.PROXY_TIMEOUT_S)
-        report = demo._replay(proxy.url, requests, trace, config, [server.base_url for server in engines], prime)
-        import httpx
-
-        status = httpx.get(f"{proxy.url}/proxy/status", timeout=5.0).json()
-        report.options.update(
-            proxy_status=status, engines={server.base_url: server.command() for server in engines},
-            logs={"proxy": str(proxy.log_path), **{server.base_url: str(server.log_path) for server in engines}})
-        if connector == "range":
-            report.options["valkey"] = [{"shard": s.shard_idx, "used_memory_bytes": s.used_memory_bytes,
-                                         "num_keys": s.num_keys} for s in server_status(valkey_dir)]
-    return report
-
-
-def per_engine_lines(reports) -> list[str]:
-    """One line per configuration and engine: prompt tokens, and the shares from its own cache and from the tier."""
-    lines = []
-    for report in reports:
-        engine = report.engine
-        if engine is None:
-            continue
-        for url, counts in sorted(engine.per_engine.items()):
-            prompt = counts.get("prompt_tokens") or 0
-            local, external = counts.get("local_hit_tokens") or 0, counts.get("external_hit_tokens") or 0
-            share = (lambda n: f"{100 * n / prompt:.1f}%" if prompt else "-")
-            lines.append(f"  {report.label:13s} {url}: {prompt:.0f} prompt tokens, {share(local)} from its own prefix "
-                         f"cache, {share(external)} loaded from the shared tier")
-    return lines
+from range_connector.bench.stack import log  # noqa: E402
+from range_connector.bench.fleet import CONFIGS, NUM_SHARDS, per_engine_lines, run_fleet  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,13 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     trace = demo.load_trace(args.trace, count=args.count, token_scale=args.token_scale, duration_s=args.duration_s)
     for line in trace.describe_lines():
-        demo._log(line)
+        log(line)
     model_dir = build_model("gqa", args.model_size)
     vocab = normal_vocab_token_ids(model_dir)
     requests = build_requests(trace, PromptBuilder(vocab, seed=0))
     prime = PromptBuilder(vocab, seed=demo.PRIME_SEED).block(0, 64).tolist()
     run_dir = args.work_dir.resolve() / "run"
-    reports = [run_fleet(config, model_dir, run_dir, requests, trace, prime, args.kv_cache_gib, range_extra)
+    reports = [run_fleet(config, model_dir, run_dir, requests, trace, prime, kv_cache_gib=args.kv_cache_gib,
+                         range_extra=range_extra)
                for config in configs]
     out = results / f"fleet-{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(out, reports, extra={"command": [sys.executable, *sys.argv], "model": str(model_dir),

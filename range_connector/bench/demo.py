@@ -1,4 +1,4 @@
-"""``make demo``: disaggregated prefill through Range on the CPU, replaying a trace, against one engine without it.
+"""``make demo``: what Range is for on the CPU, replaying one trace: P/D and a fleet, each against what users run.
 
 Run ``python -m range_connector.bench.demo`` (``make demo``; ``make demo TRACE=file`` adds ``--trace file``). It
 
@@ -7,11 +7,20 @@ Run ``python -m range_connector.bench.demo`` (``make demo``; ``make demo TRACE=f
    (``kv_role`` ``kv_producer``, core 0) and a decode engine (``kv_role`` ``kv_consumer``, core 1), both with Range
    on those servers, then ``range-connector proxy`` in front of them;
 3. replays the trace through the proxy (:func:`range_connector.bench.replay.run_replay`: each request at its arrival
-   time, streamed, greedy, ``ignore_eos``), reading both engines' ``/metrics`` around it, and stops all of that;
+   time, streamed, greedy, ``ignore_eos``), reading both engines' ``/metrics`` around it, and stops all of that
+   (``range-pd``);
 4. replays the same trace against one vLLM engine without a connector (``none``, core 0, vLLM's own prefix cache
    on, like the two P/D engines);
-5. prints the side-by-side table (:func:`range_connector.bench.replay_report.format_comparison`: ``range-pd`` against
-   ``none``, with ratios), then the paths of the JSON and the two PNGs in ``<demo dir>/results``.
+5. unless ``--no-fleet``, replays it twice more through ``range-connector proxy --policy prefix_aware`` in front of
+   two ``kv_both`` engines (core 0 and core 1, started in parallel, vLLM's prefix cache on;
+   :func:`range_connector.bench.fleet.run_fleet`): without a connector (``prefix-none``, what users run today) and
+   with Range on two embedded Valkey shards both engines share (``prefix-range``);
+6. prints the P/D table (:func:`range_connector.bench.replay_report.format_comparison`: ``range-pd`` against
+   ``none``, with ratios), then the fleet table (``prefix-range`` against ``prefix-none``) and each fleet engine's
+   shares (from its own prefix cache, loaded from the shared tier), each table followed by a verdict line that
+   says whether Range was faster or slower than the alternative at TTFT p50 and p99 (:func:`ttft_verdict`, from
+   the reports), then how to add LMCache's column (:func:`lmcache_hint`), then the paths of the JSON (all four
+   reports) and the two PNGs in ``<demo dir>/results``.
 
 The trace: by default the built-in synthetic Mooncake-format trace
 (:func:`range_connector.bench.synthetic_trace.synthetic_trace`: 40 requests, multi-turn conversations over shared system
@@ -37,147 +46,81 @@ model                                      prefill tokens/s             TTFT 2,0
 =========================================  ===========================  ============  ===========
 
 The bench model is fast enough: the scaled synthetic trace needs about 5,000 tokens of prefill that no prefix cache
-can serve (15-20 s of one core) within its 47 s of arrivals, and the whole demo takes about 3-4 minutes once the
-model is built. It is the one worth showing: its KV per token is an 8B Llama's, so the 2.5 GB of KV the decode
-engine loads is real work for the tier, where the tiny model's 2 KiB a token would make every load free.
-``--model-size tiny`` runs the demo on the tiny model instead.
+can serve (15-20 s of one core) within its 47 s of arrivals. P/D and ``none`` take about 5 minutes once the model is
+built, the fleet phase about 5 more (each engine start is 35-50 s on 2 cores). It is the one worth showing: its KV
+per token is an 8B Llama's, so the 2.5 GB of KV the decode engine loads is real work for the tier, where the tiny
+model's 2 KiB a token would make every load free. ``--model-size tiny`` runs the demo on the tiny model instead.
+
+Counting in the fleet: each prompt is counted once, on the engine that served it, so the fleet columns' engine rows
+sum both engines; a tier hit there is a prefix that engine's own cache did not hold (computed by the other engine,
+or by itself and evicted since).
 
 Engines: block size 64 tokens and chunks of 128 (one block per shard per chunk; at the default 128/256 most of these
 short prompts would end inside their last, unsaved chunk), ``--enforce-eager``, ``max_model_len`` 4096, KV cache
-1 GiB each (prefill, decode, ``none``: the machine is shared; 2 GiB ran it out of memory once).
+1 GiB each (prefill, decode, ``none``, the fleet's engines: the machine is shared; 2 GiB ran it out of memory once).
+Range's settings are the same in P/D and in the fleet.
 
 Everything it started (engines, proxy, Valkey) is stopped on success, on errors and on Ctrl-C or SIGTERM. Exit
-status: 0 when every request of both replays succeeded and the decode engine loaded tokens from the tier; 1, with
-one ``FAILED:`` line, otherwise; 130 when interrupted.
+status: 0 when every request of every replay (P/D, ``none`` and the fleet's two) succeeded and the decode engine
+loaded tokens from the tier; 1, with one ``FAILED:`` line, otherwise (whether ``prefix-range`` loaded anything from
+the tier is reported, not required); 130 when interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
+import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from range_connector.testing.client import complete
-from range_connector.testing.processes import free_port
-from range_connector.testing.server_process import ServerProcess, connector_config
+from range_connector.bench.stack import (
+    BLOCK_TOKENS,
+    CHUNK_TOKENS,
+    MAX_MODEL_LEN_TOKENS,
+    NUM_SHARDS,
+    PROXY_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    Cleanup,
+    DemoError,
+    ProxyProcess,
+    engine_server,
+    log,
+    one_line,
+    replay_primed,
+)
+from range_connector.testing.server_process import connector_config
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from range_connector.bench.replay import ReplayReport, ReplayRequest
     from range_connector.bench.replay_metrics import EngineCounts
     from range_connector.bench.traces import Trace
 
-__all__ = ["decode_engine_view", "load_trace", "main"]
+__all__ = ["FLEET_CONFIGS", "decode_engine_view", "failures", "lmcache_hint", "load_trace", "main", "results_text",
+           "ttft_verdict"]
 
 DEMO_DIR = Path(".cache") / "range-connector" / "demo"
-NUM_SHARDS = 2
-BLOCK_TOKENS = 64
-CHUNK_TOKENS = NUM_SHARDS * BLOCK_TOKENS
-MAX_MODEL_LEN_TOKENS = 4096
 SYNTHETIC_REQUESTS = 40
 SYNTHETIC_TOKEN_SCALE = 1 / 16
 TRACE_REQUESTS = 100
 TRACE_TOKEN_SCALE = 1 / 32
 TRACE_DURATION_S = 90.0
 PRIME_SEED = 987_654_321  # the priming prompt shares no block with the trace's (seed 0)
-STARTUP_TIMEOUT_S = 600.0
-PROXY_TIMEOUT_S = 60.0
-REQUEST_TIMEOUT_S = 300.0
-ENGINE_ARGS = ("--enable-prompt-tokens-details",)  # cached tokens per request in the client's usage
+#: the fleet phase's configurations (:data:`range_connector.bench.fleet.CONFIGS`), its baseline first
+FLEET_CONFIGS = ("prefix-none", "prefix-range")
+#: what each configuration's baseline is, in words (the verdict lines name it)
+BASELINE_NAMES = {"none": "one engine without a connector",
+                  "prefix-none": "two engines behind the prefix-aware proxy without a connector"}
 
 _T0 = time.monotonic()
-
-
-class DemoError(RuntimeError):
-    """A step of the demo failed; the message is one line."""
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - _T0:5.0f}s] {message}", flush=True)
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-class _Cleanup(contextlib.ExitStack):
-    """An ExitStack whose unwinding (stopping processes) is not cut short by a second Ctrl-C or SIGTERM."""
-
-    def __exit__(self, *exc: Any) -> bool:
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            return super().__exit__(*exc)
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-
-class ProxyProcess:
-    """``range-connector proxy`` as a subprocess in its own process group, logging to ``log_path``.
-
-    Args:
-        engine_args: The proxy's engine options, e.g. ``["--prefill", url, "--decode", url]`` or
-            ``["--engine", url, "--engine", url, "--policy", "prefix_aware"]``.
-        log_path: File for the proxy's output.
-    """
-
-    def __init__(self, engine_args: list[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [sys.executable, "-c", "import sys; from range_connector.cli import main; sys.exit(main())",
-                        "proxy", *engine_args, "--port", str(self.port),
-                        "--health-interval-s", "2", "--timeout-s", str(REQUEST_TIMEOUT_S)]
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> ProxyProcess:
-        with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log_file,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Wait until ``GET /health`` answers 200.
-
-        Raises:
-            DemoError: The proxy exited, or did not answer within ``timeout_s`` seconds.
-        """
-        import httpx
-
-        if self.process is None:
-            raise RuntimeError("wait_ready() before the proxy was started")
-        deadline_s = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise DemoError(f"proxy exited with code {self.process.returncode}: "
-                                f"{_one_line(self.log_path.read_text(errors='replace')[-400:])} (log {self.log_path})")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            if time.monotonic() > deadline_s:
-                raise DemoError(f"proxy {self.url} not healthy within {timeout_s:g} s (log {self.log_path})")
-            time.sleep(0.3)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=5)
 
 
 def load_trace(trace_path: str | None, *, count: int | None, token_scale: float | None,
@@ -250,24 +193,6 @@ def decode_engine_view(engine: EngineCounts | None, decode_url: str) -> EngineCo
                "both_engines": {"totals": engine.totals, "engine_ttft_s": engine.engine_ttft_s}})
 
 
-def _engine(model_dir: Path, run_dir: Path, name: str, core: str, kv_cache_gib: int,
-            kv_config: str | None) -> ServerProcess:
-    return ServerProcess(model_dir, work_dir=run_dir / name, block_size=BLOCK_TOKENS,
-                         max_model_len=MAX_MODEL_LEN_TOKENS, kv_transfer_config=kv_config,
-                         kvcache_space_gib=kv_cache_gib, omp_threads_bind=core, extra_args=ENGINE_ARGS,
-                         log_path=run_dir / f"{name}.log")
-
-
-def _replay(url: str, requests: list[ReplayRequest], trace: Trace, label: str, metrics_urls: list[str],
-            prime: list[int]) -> ReplayReport:
-    from range_connector.bench.replay import run_replay
-
-    complete(url, prompt_token_ids=prime, max_tokens=2, timeout_s=REQUEST_TIMEOUT_S)  # one-off first-request costs
-    _log(f"{label}: replaying {len(requests)} requests over {trace.describe()['duration_s']:.0f} s of arrivals")
-    return run_replay(url, requests, metrics_urls=metrics_urls, label=label, trace=trace,
-                      request_timeout_s=REQUEST_TIMEOUT_S, progress=True)
-
-
 def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
                       prime: list[int]) -> ReplayReport:
     """Valkey (2 shards), prefill and decode engines with Range, the proxy; replay through the proxy; stop all.
@@ -282,26 +207,26 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayReque
     from range_connector.backends.valkey.urls import redact_url
 
     valkey_dir = run_dir / "valkey"
-    with _Cleanup() as cleanup:
-        cleanup.callback(lambda: _log(f"stopped {stop_servers(valkey_dir)} Valkey server(s)"))
+    with Cleanup() as cleanup:
+        cleanup.callback(lambda: log(f"stopped {stop_servers(valkey_dir)} Valkey server(s)"))
         urls = ensure_servers(NUM_SHARDS, valkey_dir)
-        _log(f"Valkey: {NUM_SHARDS} shards at {', '.join(map(redact_url, urls))} (runtime dir {valkey_dir})")
+        log(f"Valkey: {NUM_SHARDS} shards at {', '.join(map(redact_url, urls))} (runtime dir {valkey_dir})")
         # The engines find the servers and their password through runtime_dir: no password on a command line.
         common = {"chunk_tokens": CHUNK_TOKENS, "num_shards": NUM_SHARDS, "runtime_dir": str(valkey_dir),
                   "tiers": [{"type": "valkey"}]}
-        prefill = _engine(model_dir, run_dir, "prefill", "0", 1, connector_config(common, role="kv_producer"))
-        decode = _engine(model_dir, run_dir, "decode", "1", 1, connector_config(common, role="kv_consumer"))
-        cleanup.callback(lambda: _log("stopped the prefill and decode engines"))
+        prefill = engine_server(model_dir, run_dir, "prefill", "0", 1, connector_config(common, role="kv_producer"))
+        decode = engine_server(model_dir, run_dir, "decode", "1", 1, connector_config(common, role="kv_consumer"))
+        cleanup.callback(lambda: log("stopped the prefill and decode engines"))
         for name, server in (("prefill", prefill), ("decode", decode)):
             cleanup.enter_context(server)
-            _log(f"{name} engine starting on {server.base_url} (core {server.omp_threads_bind}, log {server.log_path})")
+            log(f"{name} engine starting on {server.base_url} (core {server.omp_threads_bind}, log {server.log_path})")
         for name, server in (("prefill", prefill), ("decode", decode)):
-            _log(f"{name} engine ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
+            log(f"{name} engine ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
         proxy = cleanup.enter_context(ProxyProcess(["--prefill", prefill.base_url, "--decode", decode.base_url],
                                                      run_dir / "proxy.log"))
         proxy.wait_ready(PROXY_TIMEOUT_S)
-        _log(f"proxy ready on {proxy.url} (log {proxy.log_path})")
-        report = _replay(proxy.url, requests, trace, "range-pd", [prefill.base_url, decode.base_url], prime)
+        log(f"proxy ready on {proxy.url} (log {proxy.log_path})")
+        report = replay_primed(proxy.url, requests, trace, "range-pd", [prefill.base_url, decode.base_url], prime)
         both = report.engine
         report.engine = decode_engine_view(both, decode.base_url)
         tier = [{"shard": s.shard_idx, "used_memory_bytes": s.used_memory_bytes, "num_keys": s.num_keys}
@@ -311,24 +236,140 @@ def run_disaggregated(model_dir: Path, run_dir: Path, requests: list[ReplayReque
                               engines={"prefill": prefill.command(), "decode": decode.command()})
         if both is not None and prefill.base_url in both.per_engine:
             p = both.per_engine[prefill.base_url]
-            _log(f"prefill engine: {p['prompt_tokens']:.0f} prompt tokens, {p['local_hit_tokens']:.0f} from its own "
+            log(f"prefill engine: {p['prompt_tokens']:.0f} prompt tokens, {p['local_hit_tokens']:.0f} from its own "
                  f"prefix cache; Valkey now holds {sum(t['used_memory_bytes'] or 0 for t in tier) / 2**20:.0f} MiB "
                  f"in {sum(t['num_keys'] or 0 for t in tier)} keys over {len(tier)} shards")
-        _log("range-pd: done; stopping the proxy, the engines and Valkey")
+        log("range-pd: done; stopping the proxy, the engines and Valkey")
     return report
 
 
 def run_baseline(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
                  prime: list[int]) -> ReplayReport:
     """One vLLM engine without a connector (core 0); replay; stop it. Returns the ``none`` report."""
-    with _Cleanup() as cleanup:
-        server = cleanup.enter_context(_engine(model_dir, run_dir, "none", "0", 1, None))
-        cleanup.callback(lambda: _log("stopped the engine without a connector"))
-        _log(f"none: engine without a connector starting on {server.base_url} (core 0, log {server.log_path})")
-        _log(f"none: ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
-        report = _replay(server.base_url, requests, trace, "none", [server.base_url], prime)
+    with Cleanup() as cleanup:
+        server = cleanup.enter_context(engine_server(model_dir, run_dir, "none", "0", 1, None))
+        cleanup.callback(lambda: log("stopped the engine without a connector"))
+        log(f"none: engine without a connector starting on {server.base_url} (core 0, log {server.log_path})")
+        log(f"none: ready after {server.wait_ready(timeout_s=STARTUP_TIMEOUT_S):.0f} s")
+        report = replay_primed(server.base_url, requests, trace, "none", [server.base_url], prime)
         report.options.update(logs={"none": str(server.log_path)}, engines={"none": server.command()})
     return report
+
+
+def run_fleet_phase(model_dir: Path, run_dir: Path, requests: list[ReplayRequest], trace: Trace,
+                    prime: list[int]) -> list[ReplayReport]:
+    """The fleet phase: :data:`FLEET_CONFIGS` one after the other (:func:`range_connector.bench.fleet.run_fleet`).
+
+    Returns:
+        One report per configuration, in :data:`FLEET_CONFIGS`' order (``prefix-none`` first).
+
+    Raises:
+        DemoError, ServerError: A process did not start (the message names its log).
+    """
+    from range_connector.bench.fleet import run_fleet
+
+    return [run_fleet(config, model_dir, run_dir, requests, trace, prime) for config in FLEET_CONFIGS]
+
+
+def _ttft_s(report: ReplayReport, quantile: str) -> float | None:
+    value = (report.summary.get("ttft_s") or {}).get(quantile)
+    return None if value is None else float(value)
+
+
+def ttft_verdict(report: ReplayReport, baseline: ReplayReport) -> str:
+    """One line: is ``report`` (a Range configuration) faster or slower than ``baseline`` at client TTFT p50 and p99?
+
+    Args:
+        report: The Range configuration's replay (``range-pd``, ``prefix-range``).
+        baseline: What a user would otherwise run, on the same trace (``none``, ``prefix-none``).
+
+    Returns:
+        E.g. ``"verdict, range-pd against none (one engine without a connector): Range is slower at TTFT p50 (0.670 s
+        against 0.190 s, 3.53x) and faster at TTFT p99 (1.500 s against 2.000 s, 0.75x)"``. "As fast" only for equal
+        values; a quantile that one of the two lacks (no request succeeded) is "not comparable".
+    """
+    parts = []
+    for quantile in ("p50", "p99"):
+        value_s, base_s = _ttft_s(report, quantile), _ttft_s(baseline, quantile)
+        if value_s is None or base_s is None:
+            lacking = report.label if value_s is None else baseline.label
+            parts.append(f"not comparable at TTFT {quantile} ({lacking} has no successful request)")
+            continue
+        word = "faster" if value_s < base_s else "slower" if value_s > base_s else "as fast"
+        ratio = f", {value_s / base_s:.2f}x" if base_s > 0 else ""
+        parts.append(f"{word} at TTFT {quantile} ({value_s:.3f} s against {base_s:.3f} s{ratio})")
+    name = BASELINE_NAMES.get(baseline.label)
+    against = f"{baseline.label} ({name})" if name else baseline.label
+    return f"verdict, {report.label} against {against}: Range is {' and '.join(parts)}"
+
+
+def lmcache_hint(*, trace_path: str | None, count: int | None, token_scale: float | None, model_size: str,
+                 trace: Trace) -> str:
+    """One line: how to put LMCache's MP connector next to Range and no connector (``bench/replay.py``, one engine
+    each), on the demo's trace, model and block size.
+
+    Args:
+        trace_path, count, token_scale: The demo's ``--trace``, ``--count`` and ``--token-scale``.
+        model_size: The demo's ``--model-size``.
+        trace: The trace the demo replayed (a ``--trace`` file's time factor is read from its transforms).
+    """
+    options = ["--configs none,range,lmcache", f"--model-size {model_size}", f"--block-size {BLOCK_TOKENS}",
+               f"--max-model-len {MAX_MODEL_LEN_TOKENS}"]
+    if trace_path is None:
+        options.append(f"--synthetic-requests {count or SYNTHETIC_REQUESTS}")
+        options.append(f"--token-scale {token_scale or SYNTHETIC_TOKEN_SCALE:g}")
+    else:
+        options += [f"--trace {shlex.quote(trace_path)}", "--conversations", f"--count {count or TRACE_REQUESTS}",
+                    f"--token-scale {token_scale or TRACE_TOKEN_SCALE:g}"]
+        time_notes = [note.removeprefix("time x ") for note in trace.transforms if note.startswith("time x ")]
+        if time_notes:
+            options.append(f"--time-scale {time_notes[-1]}")
+    return ("LMCache's column (one engine each; LMCache lives in its own environment): "
+            f"bash bench/setup_lmcache_env.sh, then .venv/bin/python bench/replay.py {' '.join(options)}")
+
+
+def results_text(pd_report: ReplayReport, none_report: ReplayReport, fleet_reports: Sequence[ReplayReport],
+                 lmcache_line: str) -> str:
+    """What the demo prints after its runs: the P/D table and its verdict, the fleet's table, per-engine shares and
+    verdict (when it ran), and how to add LMCache.
+
+    Args:
+        pd_report, none_report: The ``range-pd`` and ``none`` replays.
+        fleet_reports: The fleet's replays, baseline first (:func:`run_fleet_phase`); empty with ``--no-fleet``.
+        lmcache_line: :func:`lmcache_hint`.
+    """
+    from range_connector.bench.fleet import NUM_SHARDS as FLEET_SHARDS
+    from range_connector.bench.fleet import per_engine_lines
+    from range_connector.bench.replay_report import format_comparison
+
+    lines = ["P/D: range-pd = prefill engine (core 0) + decode engine (core 1) with Range, "
+             f"{NUM_SHARDS} Valkey shards, behind the proxy (engine rows: the decode engine's); "
+             "none = one engine (core 0), no connector",
+             format_comparison([none_report, pd_report]), ttft_verdict(pd_report, none_report)]
+    if fleet_reports:
+        baseline, *others = fleet_reports
+        lines += ["", "Fleet: two kv_both engines (cores 0 and 1) behind range-connector proxy --policy prefix_aware; "
+                      f"prefix-none = no connector, prefix-range = Range on {FLEET_SHARDS} Valkey shards both share "
+                      "(engine rows: both engines)",
+                  format_comparison(fleet_reports, baseline=baseline.label), "per engine:",
+                  *per_engine_lines(fleet_reports), *(ttft_verdict(report, baseline) for report in others)]
+    lines += ["", lmcache_line]
+    return "\n".join(lines)
+
+
+def failures(reports: Sequence[ReplayReport], pd_report: ReplayReport) -> list[str]:
+    """What makes the demo fail: failed requests in any replay, or a decode engine that loaded nothing from the tier.
+
+    Returns:
+        One phrase per failure (joined into the ``FAILED:`` line); empty when the demo succeeded.
+    """
+    failed = [f"{r.label}: {r.summary['num_errors']} of {r.summary['num_requests']} requests failed "
+              f"({', '.join(f'{k} x{v}' for k, v in r.summary['errors'].items())})"
+              for r in reports if r.summary["num_errors"]]
+    check = pd_report.engine.connector_check if pd_report.engine is not None else None
+    if check is None or check["loaded_tokens"] <= 0:  # Range's verified count, not vLLM's admission count
+        failed.append("range-pd: the decode engine loaded no token from the tier")
+    return failed
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -336,8 +377,9 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Range connector demo: disaggregated prefill replaying a trace, against "
-                                            "one engine without a connector.")
+    p = argparse.ArgumentParser(description="Range connector demo, replaying one trace: disaggregated prefill against "
+                                            "one engine without a connector, then two engines behind the "
+                                            "prefix-aware proxy without and with Range.")
     p.add_argument("--trace", default=None, help="Mooncake .jsonl or Azure .csv to replay (default: synthetic)")
     p.add_argument("--count", type=int, default=None,
                    help=f"requests (default {SYNTHETIC_REQUESTS} synthetic, {TRACE_REQUESTS} from --trace)")
@@ -348,6 +390,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"--trace arrivals are compressed to span this many seconds (default {TRACE_DURATION_S:g})")
     p.add_argument("--model-size", choices=("bench", "tiny"), default="bench", help="GQA model size (default bench)")
     p.add_argument("--demo-dir", type=Path, default=DEMO_DIR, help=f"work folder (default {DEMO_DIR})")
+    p.add_argument("--no-fleet", dest="fleet", action="store_false",
+                   help=f"skip the fleet phase ({', '.join(FLEET_CONFIGS)}; about 5 minutes)")
     return p.parse_args(argv)
 
 
@@ -358,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     try:
         from range_connector.backends.valkey.servers import stop_servers
-        from range_connector.bench.replay_report import format_comparison, write_json, write_plots
+        from range_connector.bench.replay_report import outputs_equal, ratios, write_json, write_plots
         from range_connector.bench.run_info import run_extra
         from range_connector.bench.trace_prompts import PromptBuilder, normal_vocab_token_ids
         from range_connector.errors import TraceError
@@ -366,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
 
         demo_dir = args.demo_dir.resolve()
         run_dir = demo_dir / "run"
-        if (run_dir / "valkey").is_dir() and (stopped := stop_servers(run_dir / "valkey")):
-            _log(f"stopped {stopped} Valkey server(s) left by an earlier demo run")
+        for valkey_dir in (run_dir / "valkey", *(run_dir / config / "valkey" for config in FLEET_CONFIGS)):
+            if valkey_dir.is_dir() and (stopped := stop_servers(valkey_dir)):
+                log(f"stopped {stopped} Valkey server(s) left by an earlier demo run in {valkey_dir}")
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         try:
@@ -376,51 +421,58 @@ def main(argv: list[str] | None = None) -> int:
             raise DemoError(f"--trace: {exc}") from exc
         info = trace.describe()
         for line in trace.describe_lines():
-            _log(line)
-        _log(f"building (or finding) the {args.model_size} GQA model")
+            log(line)
+        log(f"building (or finding) the {args.model_size} GQA model")
         model_dir = build_model("gqa", args.model_size)
         vocab = normal_vocab_token_ids(model_dir)
         from range_connector.bench.replay import build_requests
 
         requests = build_requests(trace, PromptBuilder(vocab, seed=0))
         prime = PromptBuilder(vocab, seed=PRIME_SEED).block(0, 64).tolist()
-        _log(f"model {model_dir}; machine load average {load_start[0]:.1f} on {os.cpu_count()} cores")
+        log(f"model {model_dir}; machine load average {load_start[0]:.1f} on {os.cpu_count()} cores")
         pd_report = run_disaggregated(model_dir, run_dir, requests, trace, prime)
         none_report = run_baseline(model_dir, run_dir, requests, trace, prime)
-        reports = [none_report, pd_report]
+        fleet_reports = run_fleet_phase(model_dir, run_dir, requests, trace, prime) if args.fleet else []
+        reports = [none_report, pd_report, *fleet_reports]
         out = demo_dir / "results" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        verdicts = [ttft_verdict(pd_report, none_report),
+                    *(ttft_verdict(report, fleet_reports[0]) for report in fleet_reports[1:])]
+        fleet_json: dict[str, Any] = {}
+        if fleet_reports:
+            fleet_baseline = fleet_reports[0].label
+            fleet_json = {f"ratios_vs_{fleet_baseline}": ratios(fleet_reports, fleet_baseline),
+                          f"outputs_equal_to_{fleet_baseline}": outputs_equal(fleet_reports, fleet_baseline)}
         extra = run_extra([sys.executable, "-m", "range_connector.bench.demo", *(argv or sys.argv[1:])],
                           model=str(model_dir), trace=info, loadavg_start=load_start, wall_s=time.monotonic() - _T0,
                           engine_settings={"block_tokens": BLOCK_TOKENS, "chunk_tokens": CHUNK_TOKENS,
-                                           "num_shards": NUM_SHARDS, "max_model_len_tokens": MAX_MODEL_LEN_TOKENS})
+                                           "num_shards": NUM_SHARDS, "max_model_len_tokens": MAX_MODEL_LEN_TOKENS},
+                          comparisons={"none": ["range-pd"],
+                                       **({fleet_reports[0].label: [r.label for r in fleet_reports[1:]]}
+                                          if fleet_reports else {})},
+                          verdicts=verdicts, **fleet_json)
         write_json(out, reports, extra=extra)
         pngs = write_plots(out.with_suffix(""), reports)
         print()
-        print(format_comparison(reports))
+        print(results_text(pd_report, none_report, fleet_reports,
+                           lmcache_hint(trace_path=args.trace, count=args.count, token_scale=args.token_scale,
+                                        model_size=args.model_size, trace=trace)))
         print()
         print(f"trace: {info['source']}; " + "; ".join(info["transforms"]))
-        print("range-pd: prefill engine (core 0) + decode engine (core 1) with Range, 2 Valkey shards, behind the "
-              "proxy; engine rows are the decode engine's. none: one engine (core 0), no connector.")
         print(f"JSON: {out}")
         for path in pngs:
             print(f"PNG: {path}")
         print(f"machine load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
               f"demo took {time.monotonic() - _T0:.0f} s")
-        failed = [f"{r.label}: {r.summary['num_errors']} of {r.summary['num_requests']} requests failed "
-                  f"({', '.join(f'{k} x{v}' for k, v in r.summary['errors'].items())})"
-                  for r in reports if r.summary["num_errors"]]
-        check = pd_report.engine.connector_check if pd_report.engine is not None else None
-        if check is None or check["loaded_tokens"] <= 0:  # Range's verified count, not vLLM's admission count
-            failed.append("range-pd: the decode engine loaded no token from the tier")
+        failed = failures(reports, pd_report)
         if failed:
             print(f"FAILED: {'; '.join(failed)}", flush=True)
             return 1
         return 0
     except KeyboardInterrupt:
-        _log("interrupted; everything the demo started is stopped")
+        log("interrupted; everything the demo started is stopped")
         return 130
     except Exception as exc:  # noqa: BLE001 - one line, processes already stopped by the phases' cleanup
-        print(f"FAILED: {type(exc).__name__}: {_one_line(exc)}", flush=True)
+        print(f"FAILED: {type(exc).__name__}: {one_line(exc)}", flush=True)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
