@@ -305,9 +305,13 @@ class ObjectStore:
 
     # --------------------------------------------------------------------------------------------------- helpers
     def _group(self, oids: Sequence[ObjectId]) -> dict[int, list[int]]:
+        """``{shard_idx: [indices into oids]}`` (one shard: no per-object work)."""
+        if self.num_shards == 1:
+            return {0: list(range(len(oids)))} if oids else {}
         by_shard: dict[int, list[int]] = {}
+        n = self.num_shards
         for i, oid in enumerate(oids):
-            by_shard.setdefault(self.shard_of(oid), []).append(i)
+            by_shard.setdefault(int.from_bytes(oid[:8], "little") % n, []).append(i)
         return by_shard
 
     def _per_shard(self, by_shard: dict[int, list[int]], fn: Callable[[int, list[int]], T]) -> dict[int, T | None]:
@@ -328,16 +332,43 @@ class ObjectStore:
 
 def _contiguous_runs(wanted: Sequence[int], tickets: Sequence[Ticket | None]) -> list[list[int]]:
     """Group the objects ``wanted`` (indices into ``tickets``, none ``None``) into runs that lie end to end in one
-    stripe value, each run in offset order; an object wanted twice starts a run of its own."""
+    stripe value, each run in offset order; an object wanted twice starts a run of its own.
+
+    One pass in the given order when that order already has every stripe's objects together and ascending (what a
+    load of objects stored by one task in the same order asks); otherwise the objects are sorted by stripe and
+    offset first. Either way the work per object is a few attribute reads."""
+    runs = _runs_in_order(wanted, tickets)
+    if runs is None:
+        runs = _runs_in_order(sorted(wanted, key=lambda j: (tickets[j].stripe_id,  # type: ignore[union-attr]
+                                                            tickets[j].block_offset)), tickets, strict=False)
+    assert runs is not None
+    return runs
+
+
+def _runs_in_order(order: Sequence[int], tickets: Sequence[Ticket | None], *,
+                   strict: bool = True) -> list[list[int]] | None:
+    """The runs of :func:`_contiguous_runs` taken in ``order``; with ``strict``, ``None`` as soon as a stripe's run
+    breaks and the stripe turns up again later in ``order`` or goes backwards (sorting would find longer runs)."""
     runs: list[list[int]] = []
-    for j in sorted(wanted, key=lambda j: (tickets[j].stripe_id, tickets[j].block_offset)):  # type: ignore[union-attr]
+    run: list[int] = []
+    done: set[str] = set()
+    stripe, end, value_bytes = None, -1, -1
+    for j in order:
         t = tickets[j]
-        prev = tickets[runs[-1][-1]] if runs else None
-        if (prev is not None and t is not None and prev.stripe_id == t.stripe_id
-                and prev.stripe_blocks == t.stripe_blocks and prev.block_offset + prev.num_blocks == t.block_offset):
-            runs[-1].append(j)
-        else:
-            runs.append([j])
+        assert t is not None
+        if t.stripe_id == stripe and t.stripe_blocks == value_bytes and t.block_offset == end:
+            run.append(j)
+            end += t.num_blocks
+            continue
+        if strict and (t.stripe_id in done or (t.stripe_id == stripe and t.block_offset < end)):
+            return None
+        if run:
+            runs.append(run)
+            done.add(stripe)  # type: ignore[arg-type]
+        run = [j]
+        stripe, end, value_bytes = t.stripe_id, t.block_offset + t.num_blocks, t.stripe_blocks
+    if run:
+        runs.append(run)
     return runs
 
 
@@ -353,7 +384,17 @@ class _RunDigests:
         self._skip_empty()
 
     def update(self, data: memoryview | bytes) -> None:
-        view = memoryview(data).cast("B")
+        """Add the next ``len(data)`` bytes of the run (a flat byte view, as the tiers pass: one call per piece
+        segment, so the common call stays within one object and costs one hash update)."""
+        view = data if isinstance(data, memoryview) and data.ndim == 1 and data.format == "B" else (
+            memoryview(data).cast("B"))
+        i, n = self._i, view.nbytes
+        if i < len(self._left) and n <= self._left[i]:  # (within the current object: the common case)
+            self._states[i].update(view)
+            self._left[i] -= n
+            if not self._left[i]:
+                self._skip_empty()
+            return
         while view.nbytes and self._i < len(self._states):
             n = min(view.nbytes, self._left[self._i])
             self._states[self._i].update(view[:n])
