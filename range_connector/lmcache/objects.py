@@ -39,6 +39,10 @@ from range_connector.kv.tickets import Ticket, ticket_key
 
 logger = logging.getLogger(__name__)
 
+#: connections one shard's load reads over at once (when it is several reads of at least READ_SPLIT_MIN_BYTES)
+READ_STREAMS = 2
+READ_SPLIT_MIN_BYTES = 64 << 20
+
 #: 16 bytes naming one LMCache object (:func:`object_id`).
 ObjectId = NewType("ObjectId", bytes)
 T = TypeVar("T")
@@ -88,6 +92,8 @@ class ObjectStore:
         self.backends = list(backends)
         self.lease_ttl_s = lease_ttl_s
         self._shard_pool = ThreadPoolExecutor(len(self.backends), thread_name_prefix="range-lmcache-shard")
+        self._read_pool = ThreadPoolExecutor(len(self.backends) * max(1, READ_STREAMS - 1),
+                                             thread_name_prefix="range-lmcache-read")
 
     @property
     def num_shards(self) -> int:
@@ -248,11 +254,7 @@ class ObjectStore:
         loaded = [False] * len(oids)
         if not reads:
             return loaded
-        try:
-            present = backend.read_ranges(reads)
-        except (BackendError, ValueError) as exc:  # (ValueError: a ticket that lies about its stripe)
-            logger.warning("%s: read of %d objects failed: %s", backend.name, len(wanted), exc)
-            return loaded
+        present = self._read(backend, reads)
         corrupt = []
         for j, ok, landed in ((j, ok, d and d.digest_of(k)) for run, ok, d in zip(runs, present, digests)
                               for k, j in enumerate(run)):
@@ -270,6 +272,28 @@ class ObjectStore:
             except BackendError as exc:
                 logger.warning("%s: could not delete %d corrupt tickets: %s", backend.name, len(corrupt), exc)
         return loaded
+
+    def _read(self, backend: Backend, reads: list[RangeRead]) -> list[bool]:
+        """``backend.read_ranges(reads)``, split over :data:`READ_STREAMS` connections at once when the reads are
+        several and hold at least :data:`READ_SPLIT_MIN_BYTES` (bytes land in two sockets at once: one loopback
+        connection alone leaves the server and the receiver waiting for each other). A part that fails is
+        ``False`` for its reads, the other parts count (never raises for a tier)."""
+        groups = _split_reads(reads, READ_STREAMS if sum(r.length for r in reads) >= READ_SPLIT_MIN_BYTES else 1)
+        futures = [self._read_pool.submit(self._read_group, backend, reads, g) for g in groups[1:]]
+        parts = [self._read_group(backend, reads, groups[0]), *(f.result() for f in futures)]
+        present = [False] * len(reads)
+        for group, part in zip(groups, parts):
+            for i, ok in zip(group, part):
+                present[i] = ok
+        return present
+
+    @staticmethod
+    def _read_group(backend: Backend, reads: list[RangeRead], group: list[int]) -> list[bool]:
+        try:
+            return backend.read_ranges([reads[i] for i in group])
+        except (BackendError, ValueError) as exc:  # (ValueError: a ticket that lies about its stripe)
+            logger.warning("%s: read of %d bytes failed: %s", backend.name, sum(reads[i].length for i in group), exc)
+            return [False] * len(group)
 
     # ----------------------------------------------------------------------------------------------------- admin
     def delete(self, oids: Sequence[ObjectId]) -> None:
@@ -300,6 +324,7 @@ class ObjectStore:
     def close(self) -> None:
         """Stop the shard threads and close the backends (stored bytes stay where the tier keeps them)."""
         self._shard_pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
         for b in _distinct(self.backends):
             b.close()
 
@@ -423,6 +448,20 @@ def _run_read(run: Sequence[int], tickets: Sequence[Ticket | None], dests: Seque
     pieces = tuple(dests[j] for j in run)
     return RangeRead(first.stripe_id, 0, first.block_offset, sum(p.nbytes for p in pieces), first.stripe_blocks,
                      ScatterDest(pieces, contextlib.nullcontext(), digests))
+
+
+def _split_reads(reads: Sequence[RangeRead], num_groups: int) -> list[list[int]]:
+    """Indices of ``reads`` in at most ``num_groups`` non-empty groups of about equal bytes (each read whole, the
+    largest first into the lightest group), each group in the reads' order."""
+    if num_groups <= 1 or len(reads) <= 1:
+        return [list(range(len(reads)))]
+    groups: list[list[int]] = [[] for _ in range(min(num_groups, len(reads)))]
+    loads = [0] * len(groups)
+    for i in sorted(range(len(reads)), key=lambda i: -reads[i].length):
+        g = loads.index(min(loads))
+        groups[g].append(i)
+        loads[g] += reads[i].length
+    return [sorted(g) for g in groups]
 
 
 def _value_groups(sizes_bytes: Sequence[int], max_value_bytes: int) -> list[list[int]]:

@@ -208,3 +208,22 @@ def test_runs_in_the_given_order_equal_the_sorted_runs_whatever_the_order() -> N
     assert canonical(_contiguous_runs([2, 2, 3], tickets)) == [(2,), (2, 3)]
     assert canonical(_contiguous_runs([5, 4, 3], tickets)) == [(3, 4, 5)]
     assert canonical(_contiguous_runs([0, 1, 6, 7, 2, 3], tickets)) == [(0, 1, 2, 3), (6, 7)]
+
+
+def test_a_large_load_is_split_into_groups_of_about_equal_bytes() -> None:
+    """Each read goes to exactly one group, each group keeps the reads' order, and the groups' bytes differ by at
+    most the largest read; one group when asked for one, or for a single read."""
+    from range_connector.backends.base import RangeRead
+    from range_connector.lmcache.objects import _split_reads
+
+    def reads(sizes: list[int]) -> list[RangeRead]:
+        return [RangeRead(f"s{i}", 0, 0, n, n, memoryview(bytearray(0))) for i, n in enumerate(sizes)]
+
+    for sizes in ([256, 256], [256, 100], [10, 20, 30, 40, 50], [5] * 7):
+        groups = _split_reads(reads(sizes), 2)
+        assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+        assert all(g == sorted(g) and g for g in groups) and len(groups) == 2
+        totals = [sum(sizes[i] for i in g) for g in groups]
+        assert max(totals) - min(totals) <= max(sizes)
+    assert _split_reads(reads([256, 256]), 1) == [[0, 1]]
+    assert _split_reads(reads([256]), 2) == [[0]]
