@@ -5,7 +5,8 @@ An object is an opaque byte string named by a 16-byte :data:`ObjectId` (the BLAK
 whose one layer value is the shard's objects end to end (several stripes only past the tier's value limit,
 ``Backend.max_value_bytes``), and one ticket per object (:meth:`~range_connector.kv.tickets.Ticket.decode_object`:
 byte offset, length, xxh3-64 of the bytes). A lookup is one ticket read per shard (``MGET`` on Valkey) and one lease
-per shard on the stripes it found; a load is one ranged read per shard straight into the caller's buffers, then
+per shard on the stripes it found; a load is one ranged read per shard (over two connections at once from
+:data:`READ_SPLIT_MIN_BYTES` in several reads) straight into the caller's buffers, then
 every object's checksum is verified; on a tier that scatters (Valkey, files, DRAM), objects that lie end to end in
 one stripe are one read into their buffers (a whole stripe is one ``GET`` on Valkey). So the round trips and, for
 objects stored together, the commands follow shards and stripes, never objects (docs/architecture.md, principle 1).
