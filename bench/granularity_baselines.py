@@ -131,7 +131,7 @@ def run_shim(path: str, chunk_tokens: int, args: argparse.Namespace, valkey_url:
         res = doc["results"][0]
         keep = ("status", "reason", "num_objects", "object_bytes", "payload_bytes", "granularity",
                 "restore_s_all", "restore_s_median", "gib_per_s", "first_layer_s_median", "lookup_s_median",
-                "shim_copy_s_median", "verify_s_median", "client_counts_restore", "server_commands_restore",
+                "shim_copy_s_median", "verify_s_median", "client_counts_restore", "client_s_medians", "server_commands_restore",
                 "server_commands_lookup", "driven_by", "layered_delivery", "verified", "copy_mode",
                 "torch_threads", "lmcache_use_layerwise", "lmcache_chunk_size", "lmcache_keys", "repeats_done",
                 "warmup_restore_s", "store_s", "attempts", "valkey_py_parser", "mp_object_shape")

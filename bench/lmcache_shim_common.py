@@ -45,6 +45,11 @@ def _aggregate(per_repeat: list[dict[str, Any]], payload_bytes: int) -> dict[str
         "verify_s_median": _median(col("verify_s")),
         "repeats_done": len(per_repeat),
         "client_counts_restore": last.get("client"),
+        # (the split of the restore, e.g. LMCache's L1 allocation and the adapter's load task, per repeat: medians)
+        "client_s_medians": {k: _median([r["client"][k] for r in per_repeat if isinstance(r.get("client", {}).get(k),
+                                                                                         float)])
+                             for k in sorted({k for r in per_repeat for k in (r.get("client") or {})
+                                              if k.endswith("_s")})},
         "server_commands_restore": last.get("server_commands_restore"),
         "server_commands_lookup": last.get("server_commands_lookup"),
         "timing_notes": TIMING_NOTES,

@@ -5,7 +5,8 @@ An object is an opaque byte string named by a 16-byte :data:`ObjectId` (the BLAK
 whose one layer value is the shard's objects end to end (several stripes only past the tier's value limit,
 ``Backend.max_value_bytes``), and one ticket per object (:meth:`~range_connector.kv.tickets.Ticket.decode_object`:
 byte offset, length, xxh3-64 of the bytes). A lookup is one ticket read per shard (``MGET`` on Valkey) and one lease
-per shard on the stripes it found; a load is one ranged read per shard straight into the caller's buffers, then
+per shard on the stripes it found; a load is one ranged read per shard (over two connections at once from
+:data:`READ_SPLIT_MIN_BYTES` in several reads) straight into the caller's buffers, then
 every object's checksum is verified; on a tier that scatters (Valkey, files, DRAM), objects that lie end to end in
 one stripe are one read into their buffers (a whole stripe is one ``GET`` on Valkey). So the round trips and, for
 objects stored together, the commands follow shards and stripes, never objects (docs/architecture.md, principle 1).
@@ -38,6 +39,10 @@ from range_connector.kv.namespace import ChunkHash
 from range_connector.kv.tickets import Ticket, ticket_key
 
 logger = logging.getLogger(__name__)
+
+#: connections one shard's load reads over at once (when it is several reads of at least READ_SPLIT_MIN_BYTES)
+READ_STREAMS = 2
+READ_SPLIT_MIN_BYTES = 64 << 20
 
 #: 16 bytes naming one LMCache object (:func:`object_id`).
 ObjectId = NewType("ObjectId", bytes)
@@ -88,6 +93,8 @@ class ObjectStore:
         self.backends = list(backends)
         self.lease_ttl_s = lease_ttl_s
         self._shard_pool = ThreadPoolExecutor(len(self.backends), thread_name_prefix="range-lmcache-shard")
+        self._read_pool = ThreadPoolExecutor(len(self.backends) * max(1, READ_STREAMS - 1),
+                                             thread_name_prefix="range-lmcache-read")
 
     @property
     def num_shards(self) -> int:
@@ -248,11 +255,7 @@ class ObjectStore:
         loaded = [False] * len(oids)
         if not reads:
             return loaded
-        try:
-            present = backend.read_ranges(reads)
-        except (BackendError, ValueError) as exc:  # (ValueError: a ticket that lies about its stripe)
-            logger.warning("%s: read of %d objects failed: %s", backend.name, len(wanted), exc)
-            return loaded
+        present = self._read(backend, reads)
         corrupt = []
         for j, ok, landed in ((j, ok, d and d.digest_of(k)) for run, ok, d in zip(runs, present, digests)
                               for k, j in enumerate(run)):
@@ -270,6 +273,28 @@ class ObjectStore:
             except BackendError as exc:
                 logger.warning("%s: could not delete %d corrupt tickets: %s", backend.name, len(corrupt), exc)
         return loaded
+
+    def _read(self, backend: Backend, reads: list[RangeRead]) -> list[bool]:
+        """``backend.read_ranges(reads)``, split over :data:`READ_STREAMS` connections at once when the reads are
+        several and hold at least :data:`READ_SPLIT_MIN_BYTES` (bytes land in two sockets at once: one loopback
+        connection alone leaves the server and the receiver waiting for each other). A part that fails is
+        ``False`` for its reads, the other parts count (never raises for a tier)."""
+        groups = _split_reads(reads, READ_STREAMS if sum(r.length for r in reads) >= READ_SPLIT_MIN_BYTES else 1)
+        futures = [self._read_pool.submit(self._read_group, backend, reads, g) for g in groups[1:]]
+        parts = [self._read_group(backend, reads, groups[0]), *(f.result() for f in futures)]
+        present = [False] * len(reads)
+        for group, part in zip(groups, parts):
+            for i, ok in zip(group, part):
+                present[i] = ok
+        return present
+
+    @staticmethod
+    def _read_group(backend: Backend, reads: list[RangeRead], group: list[int]) -> list[bool]:
+        try:
+            return backend.read_ranges([reads[i] for i in group])
+        except (BackendError, ValueError) as exc:  # (ValueError: a ticket that lies about its stripe)
+            logger.warning("%s: read of %d bytes failed: %s", backend.name, sum(reads[i].length for i in group), exc)
+            return [False] * len(group)
 
     # ----------------------------------------------------------------------------------------------------- admin
     def delete(self, oids: Sequence[ObjectId]) -> None:
@@ -300,14 +325,19 @@ class ObjectStore:
     def close(self) -> None:
         """Stop the shard threads and close the backends (stored bytes stay where the tier keeps them)."""
         self._shard_pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
         for b in _distinct(self.backends):
             b.close()
 
     # --------------------------------------------------------------------------------------------------- helpers
     def _group(self, oids: Sequence[ObjectId]) -> dict[int, list[int]]:
+        """``{shard_idx: [indices into oids]}`` (one shard: no per-object work)."""
+        if self.num_shards == 1:
+            return {0: list(range(len(oids)))} if oids else {}
         by_shard: dict[int, list[int]] = {}
+        n = self.num_shards
         for i, oid in enumerate(oids):
-            by_shard.setdefault(self.shard_of(oid), []).append(i)
+            by_shard.setdefault(int.from_bytes(oid[:8], "little") % n, []).append(i)
         return by_shard
 
     def _per_shard(self, by_shard: dict[int, list[int]], fn: Callable[[int, list[int]], T]) -> dict[int, T | None]:
@@ -328,16 +358,43 @@ class ObjectStore:
 
 def _contiguous_runs(wanted: Sequence[int], tickets: Sequence[Ticket | None]) -> list[list[int]]:
     """Group the objects ``wanted`` (indices into ``tickets``, none ``None``) into runs that lie end to end in one
-    stripe value, each run in offset order; an object wanted twice starts a run of its own."""
+    stripe value, each run in offset order; an object wanted twice starts a run of its own.
+
+    One pass in the given order when that order already has every stripe's objects together and ascending (what a
+    load of objects stored by one task in the same order asks); otherwise the objects are sorted by stripe and
+    offset first. Either way the work per object is a few attribute reads."""
+    runs = _runs_in_order(wanted, tickets)
+    if runs is None:
+        runs = _runs_in_order(sorted(wanted, key=lambda j: (tickets[j].stripe_id,  # type: ignore[union-attr]
+                                                            tickets[j].block_offset)), tickets, strict=False)
+    assert runs is not None
+    return runs
+
+
+def _runs_in_order(order: Sequence[int], tickets: Sequence[Ticket | None], *,
+                   strict: bool = True) -> list[list[int]] | None:
+    """The runs of :func:`_contiguous_runs` taken in ``order``; with ``strict``, ``None`` as soon as a stripe's run
+    breaks and the stripe turns up again later in ``order`` or goes backwards (sorting would find longer runs)."""
     runs: list[list[int]] = []
-    for j in sorted(wanted, key=lambda j: (tickets[j].stripe_id, tickets[j].block_offset)):  # type: ignore[union-attr]
+    run: list[int] = []
+    done: set[str] = set()
+    stripe, end, value_bytes = None, -1, -1
+    for j in order:
         t = tickets[j]
-        prev = tickets[runs[-1][-1]] if runs else None
-        if (prev is not None and t is not None and prev.stripe_id == t.stripe_id
-                and prev.stripe_blocks == t.stripe_blocks and prev.block_offset + prev.num_blocks == t.block_offset):
-            runs[-1].append(j)
-        else:
-            runs.append([j])
+        assert t is not None
+        if t.stripe_id == stripe and t.stripe_blocks == value_bytes and t.block_offset == end:
+            run.append(j)
+            end += t.num_blocks
+            continue
+        if strict and (t.stripe_id in done or (t.stripe_id == stripe and t.block_offset < end)):
+            return None
+        if run:
+            runs.append(run)
+            done.add(stripe)  # type: ignore[arg-type]
+        run = [j]
+        stripe, end, value_bytes = t.stripe_id, t.block_offset + t.num_blocks, t.stripe_blocks
+    if run:
+        runs.append(run)
     return runs
 
 
@@ -353,7 +410,17 @@ class _RunDigests:
         self._skip_empty()
 
     def update(self, data: memoryview | bytes) -> None:
-        view = memoryview(data).cast("B")
+        """Add the next ``len(data)`` bytes of the run (a flat byte view, as the tiers pass: one call per piece
+        segment, so the common call stays within one object and costs one hash update)."""
+        view = data if isinstance(data, memoryview) and data.ndim == 1 and data.format == "B" else (
+            memoryview(data).cast("B"))
+        i, n = self._i, view.nbytes
+        if i < len(self._left) and n <= self._left[i]:  # (within the current object: the common case)
+            self._states[i].update(view)
+            self._left[i] -= n
+            if not self._left[i]:
+                self._skip_empty()
+            return
         while view.nbytes and self._i < len(self._states):
             n = min(view.nbytes, self._left[self._i])
             self._states[self._i].update(view[:n])
@@ -382,6 +449,20 @@ def _run_read(run: Sequence[int], tickets: Sequence[Ticket | None], dests: Seque
     pieces = tuple(dests[j] for j in run)
     return RangeRead(first.stripe_id, 0, first.block_offset, sum(p.nbytes for p in pieces), first.stripe_blocks,
                      ScatterDest(pieces, contextlib.nullcontext(), digests))
+
+
+def _split_reads(reads: Sequence[RangeRead], num_groups: int) -> list[list[int]]:
+    """Indices of ``reads`` in at most ``num_groups`` non-empty groups of about equal bytes (each read whole, the
+    largest first into the lightest group), each group in the reads' order."""
+    if num_groups <= 1 or len(reads) <= 1:
+        return [list(range(len(reads)))]
+    groups: list[list[int]] = [[] for _ in range(min(num_groups, len(reads)))]
+    loads = [0] * len(groups)
+    for i in sorted(range(len(reads)), key=lambda i: -reads[i].length):
+        g = loads.index(min(loads))
+        groups[g].append(i)
+        loads[g] += reads[i].length
+    return [sorted(g) for g in groups]
 
 
 def _value_groups(sizes_bytes: Sequence[int], max_value_bytes: int) -> list[list[int]]:

@@ -171,3 +171,59 @@ def test_run_digests_follow_object_boundaries_whatever_the_updates() -> None:
     partial = _RunDigests(sizes)
     partial.update(data[:100])
     assert [partial.digest_of(k) is None for k in range(len(sizes))] == [False, False, True, True, True]
+
+
+def test_runs_in_the_given_order_equal_the_sorted_runs_whatever_the_order() -> None:
+    """Objects asked for in their stored order are grouped in one pass; any other order (shuffled, a stripe coming
+    back, repeats, gaps) gives the same runs as sorting by stripe and offset: each run lies end to end in one stripe,
+    in offset order, and every wanted object is in exactly one run."""
+    import random
+
+    from range_connector.kv.tickets import Ticket
+    from range_connector.lmcache.objects import _contiguous_runs
+
+    sizes = [4096] * 6 + [8192] * 4  # stripe "a": 6 objects, stripe "b": 4
+    tickets: list[Ticket | None] = []
+    for stripe, n, size in (("a", 6, 4096), ("b", 4, 8192)):
+        tickets += [Ticket(stripe, k * size, size, n * size, 1, 1, 1, (0,)) for k in range(n)]
+
+    def canonical(runs: list[list[int]]) -> list[tuple[int, ...]]:
+        return sorted(tuple(r) for r in runs)
+
+    in_order = _contiguous_runs(list(range(10)), tickets)
+    assert canonical(in_order) == [(0, 1, 2, 3, 4, 5), (6, 7, 8, 9)]
+    rng = random.Random(3)
+    for wanted in ([6, 7, 8, 9, 0, 1, 2, 3, 4, 5], [0, 1, 6, 7, 2, 3], [0, 1, 3, 4], [2, 2, 3], [5, 4, 3],
+                   *[rng.sample(range(10), 10) for _ in range(5)]):
+        runs = _contiguous_runs(wanted, tickets)
+        assert sorted(j for r in runs for j in r) == sorted(wanted), wanted
+        for run in runs:
+            first = tickets[run[0]]
+            assert first is not None
+            assert all(tickets[j].stripe_id == first.stripe_id for j in run)  # type: ignore[union-attr]
+            assert [tickets[j].block_offset for j in run] == [  # type: ignore[union-attr]
+                first.block_offset + sum(sizes[k] for k in run[:m]) for m in range(len(run))]
+    assert canonical(_contiguous_runs([6, 7, 8, 9, 0, 1, 2, 3, 4, 5], tickets)) == canonical(in_order)
+    assert canonical(_contiguous_runs([0, 1, 3, 4], tickets)) == [(0, 1), (3, 4)]
+    assert canonical(_contiguous_runs([2, 2, 3], tickets)) == [(2,), (2, 3)]
+    assert canonical(_contiguous_runs([5, 4, 3], tickets)) == [(3, 4, 5)]
+    assert canonical(_contiguous_runs([0, 1, 6, 7, 2, 3], tickets)) == [(0, 1, 2, 3), (6, 7)]
+
+
+def test_a_large_load_is_split_into_groups_of_about_equal_bytes() -> None:
+    """Each read goes to exactly one group, each group keeps the reads' order, and the groups' bytes differ by at
+    most the largest read; one group when asked for one, or for a single read."""
+    from range_connector.backends.base import RangeRead
+    from range_connector.lmcache.objects import _split_reads
+
+    def reads(sizes: list[int]) -> list[RangeRead]:
+        return [RangeRead(f"s{i}", 0, 0, n, n, memoryview(bytearray(0))) for i, n in enumerate(sizes)]
+
+    for sizes in ([256, 256], [256, 100], [10, 20, 30, 40, 50], [5] * 7):
+        groups = _split_reads(reads(sizes), 2)
+        assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+        assert all(g == sorted(g) and g for g in groups) and len(groups) == 2
+        totals = [sum(sizes[i] for i in g) for g in groups]
+        assert max(totals) - min(totals) <= max(sizes)
+    assert _split_reads(reads([256, 256]), 1) == [[0, 1]]
+    assert _split_reads(reads([256]), 2) == [[0]]
