@@ -25,6 +25,7 @@ starts and two MP server starts: about a minute and a half on two cores.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 import uuid
@@ -147,6 +148,11 @@ def test_prompt_served_from_range_tier_after_mp_server_restart(valkey_servers, t
     reason = lmcache_unavailable_reason()
     if reason:
         pytest.skip(reason)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # (the engine runs under this interpreter: Range's .venv, not LMCache's)
+        pytest.skip(f"vLLM is not installed in {sys.executable}: run this test from Range's .venv (the MP server "
+                    "runs in .venv-lmcache)")
     urls = list(valkey_servers.urls)
     deployment = "e2e" + uuid.uuid4().hex[:12]
     venv = REPO / ".venv-lmcache"
