@@ -16,9 +16,9 @@ from range_connector.histograms import GAUGE_PREFIX, GAUGES, HISTOGRAMS, bucket_
 from range_connector.metrics import (
     GATE_DECISIONS,
     HOOKS,
-    PROM_HOOKS,
     PROM_COUNTERS,
     PROM_GATE,
+    PROM_HOOKS,
     PROM_REJECTED,
     PROM_TIER_COUNTERS,
     hook_key,

@@ -68,8 +68,8 @@ class RequestTransfer:
             first token it computes, when the hit ends inside that block (a stored tail: the whole prompt but its
             last token). vLLM writes that token's KV of layer ``l`` before attention asks for layer ``l``
             (``unified_kv_cache_update`` runs before ``wait_for_layer_load``), so a load must not verify such a
-            block from the KV cache: it is staged, verified there, and copied in (:mod:`range_connector.worker.
-            direct_receive`).
+            block from the KV cache: it is staged, verified there, and copied in
+            (:mod:`range_connector.worker.direct_receive`).
     """
 
     req_id: str
