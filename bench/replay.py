@@ -32,6 +32,12 @@ Configurations:
   limit). The report's options record what that server did over the replay (``valkey_during_replay``: bytes
   sent, commands), and a line per configuration compares its bytes sent with the KV bytes of the hits
   (:mod:`range_connector.bench.lmcache_configs`).
+* ``null`` (only when asked for): vLLM with a connector whose every hook returns at once
+  (:mod:`range_connector.connector.null`): what vLLM's own per-step connector plumbing costs, to tell from Range's.
+
+``--pairs N`` runs the configurations N times, alternating their order, and prints each one's ratio to the baseline
+of its own round, with median and range, and Range's time inside its connector hooks
+(:mod:`range_connector.bench.paired`); the table above it is the first round's.
 
 The trace: ``--trace FILE`` (Mooncake ``.jsonl`` or Azure ``.csv``) or, by default, the synthetic Mooncake-format
 trace of :func:`range_connector.bench.synthetic_trace.synthetic_trace`; ``--start/--count`` take a slice (or
