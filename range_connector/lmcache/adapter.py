@@ -164,6 +164,8 @@ class RangeL2Adapter(L2AdapterInterface):
         self._completed_loads: dict[L2TaskId, Bitmap] = {}
         #: key -> its locks, oldest first: (the lease it holds a reference of, its ticket, its object id)
         self._locks: dict[ObjectKey, list[tuple[_HeldLease, Ticket, ObjectId]]] = {}
+        #: tasks that raised, by kind (their keys failed): report_status()["task_failures"]
+        self._task_failures: dict[str, int] = {}
         #: key -> bytes as stored (LMCache's usage accounting and listeners)
         self._sizes_bytes: dict[ObjectKey, int] = {}
         self._closed = False
@@ -193,6 +195,7 @@ class RangeL2Adapter(L2AdapterInterface):
             ok, num_bytes, stored = all(result.stored), result.bytes_stored, result.stored
         except Exception:  # (a bug or a bad object: the task fails, the controller carries on)
             logger.exception("store task %d failed", task_id)
+            self._count_failure("store")
             ok, num_bytes, stored = False, 0, [False] * len(keys)
         new_keys, new_sizes = [], []
         with self._lock:
@@ -226,8 +229,9 @@ class RangeL2Adapter(L2AdapterInterface):
         oids = [key_object_id(k) for k in keys]
         try:
             tickets, leases = self.objects.lookup(oids, lease=True)
-        except Exception:
+        except Exception:  # (every key a miss; counted in report_status)
             logger.exception("lookup task %d failed", task_id)
+            self._count_failure("lookup")
             tickets, leases = [None] * len(keys), []
         by_lease = {id(lease): _HeldLease(lease) for lease in leases}
         held = {(lease.shard_idx, s): by_lease[id(lease)] for lease in leases for s in lease.stripe_ids}
@@ -294,8 +298,9 @@ class RangeL2Adapter(L2AdapterInterface):
         try:
             oids = [h[2] if h is not None else key_object_id(k) for h, k in zip(held, keys)]
             loaded = self.objects.load(oids, object_views(objects), tickets)
-        except Exception:
+        except Exception:  # (every key a failed bit; counted in report_status)
             logger.exception("load task %d failed", task_id)
+            self._count_failure("load")
             loaded = [False] * len(keys)
         for i, ok in enumerate(loaded):
             if ok:
@@ -337,7 +342,7 @@ class RangeL2Adapter(L2AdapterInterface):
             num_locked = sum(len(v) for v in self._locks.values())
         return {"is_healthy": not self._closed, "type": "range", "tier": self.config.type,
                 "num_shards": self.objects.num_shards, "deployment": self.config.deployment,
-                "num_locks_held": num_locked}
+                "num_locks_held": num_locked, "task_failures": dict(self._task_failures)}
 
     def close(self) -> None:
         """Finish the tasks in flight, release every lease still held, close the backends and the event fds."""
@@ -354,6 +359,12 @@ class RangeL2Adapter(L2AdapterInterface):
             efd.close()
 
     # --------------------------------------------------------------------------------------------------- helpers
+    def _count_failure(self, kind: str) -> None:
+        """A task that raised (``kind``: ``store``, ``lookup`` or ``load``): its keys failed; counted for
+        :meth:`report_status` (``task_failures``), next to the log line."""
+        with self._lock:
+            self._task_failures[kind] = self._task_failures.get(kind, 0) + 1
+
     def _next_task_id(self) -> L2TaskId:
         with self._lock:
             return next(self._task_ids)

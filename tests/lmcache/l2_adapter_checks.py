@@ -310,6 +310,28 @@ def check_no_vllm(env: Env) -> None:
     assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")], "vllm was imported"
 
 
+def check_a_task_that_raises_fails_its_keys_and_is_counted(env: Env) -> None:
+    """A load task whose storage call raises answers every key with a failed bit, and report_status counts it."""
+    a, _dep = env.adapter(servers=env.urls[:1])
+    try:
+        keys = keys_of("raise", 2)
+        objs = env.objects(keys)
+        assert store(a, keys, objs).is_successful()
+        assert lookup(a, keys) == [1, 1]
+
+        def broken_load(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        a.objects.load = broken_load
+        dest = env.objects(keys, fill=False)
+        assert load(a, keys, dest) == [0, 0], "a raising load must fail every key"
+        assert a.report_status()["task_failures"] == {"load": 1}
+        a.submit_unlock(keys)
+        env.free(objs + dest)
+    finally:
+        a.close()
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}
 
 

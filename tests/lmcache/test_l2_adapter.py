@@ -28,7 +28,8 @@ from tests.lmcache.lmcache_env import LMCACHE_PYTHON, REPO, lmcache_env, lmcache
 
 CHILD = Path(__file__).with_name("l2_adapter_checks.py")
 #: the checks of :data:`CHILD`, by name (the child reports exactly these)
-CHECKS = ("budget_evicts_unleased_stripes", "event_fds", "file_tier", "lmcache_loads_the_plugin_from_the_docs",
+CHECKS = ("a_task_that_raises_fails_its_keys_and_is_counted", "budget_evicts_unleased_stripes", "event_fds",
+          "file_tier", "lmcache_loads_the_plugin_from_the_docs",
           "lock_counts_and_leases", "no_vllm", "partial_failure_bitmaps", "round_trips_follow_shards_not_objects",
           "store_lookup_load_unlock", "two_threads_at_once", "usage_by_cache_salt")
 #: the child's whole run, seconds (a deadline against a hang; the checks take a few seconds)
