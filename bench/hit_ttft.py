@@ -180,17 +180,19 @@ def run_engine(name: str, args: argparse.Namespace, model_dir: Path, run_dir: Pa
             saved += chunks_per_prefix * len(prefixes)
             wait_for_metric(server.base_url, "vllm:range_saved_chunks_total", saved, timeout_s=60.0)
         for i, suffix in enumerate(suffixes[:-1]):
-            before, hooks_before = scrape_metrics(server.base_url), snapshot_metrics([server.base_url])
+            snap_before = snapshot_metrics([server.base_url])  # (counters, and the hook seconds by label)
             hit = complete(server.base_url, prompt_token_ids=prefixes[0] + suffix, max_tokens=1,
                            timeout_s=args.request_timeout_s)
-            after, hooks_after = scrape_metrics(server.base_url), snapshot_metrics([server.base_url])
+            snap_after = snapshot_metrics([server.base_url])
+            before = snap_before.counters.get(server.base_url, {})
+            after = snap_after.counters.get(server.base_url, {})
             delta = {k.removeprefix("vllm:"): after.get(k, 0.0) - before.get(k, 0.0) for k in (
                 "vllm:range_tier_loaded_tokens_total", "vllm:range_failed_tokens_total",
                 "vllm:range_load_deadline_misses_total", "vllm:range_load_seconds_sum")}
             # where Range's part of the hit went: seconds inside each connector hook (vllm:range_hook_seconds_total)
-            earlier = hooks_before.hook_seconds.get(server.base_url, {})
+            earlier = snap_before.hook_seconds.get(server.base_url, {})
             delta["hook_s"] = {h: round(v - earlier.get(h, 0.0), 4)
-                               for h, v in hooks_after.hook_seconds.get(server.base_url, {}).items()
+                               for h, v in snap_after.hook_seconds.get(server.base_url, {}).items()
                                if v - earlier.get(h, 0.0) > 0.0005}
             hit_ok = (hit.cached_tokens or 0) >= args.prefix_tokens
             if kv_config is not None:
