@@ -13,7 +13,10 @@ tokenizer's normal vocabulary; every suffix starts with a token of its own):
   every asked tier as a hierarchy (DRAM, Valkey, file): its one cold prompt saves the prefix to all of them
   (``(c)`` with Range saving, reported too; the hits wait for ``vllm:range_saved_chunks_total``) and its hits come
   from the nearest tier; each further engine runs one farther tier alone and loads the same prefix from it, saved
-  by the first (one embedded Valkey server and one file directory for all).
+  by the first (one embedded Valkey server and one file directory for all). Before the first stops, its far copies
+  must be on the far tiers, counted from outside (the files' bytes on disk, the server's ``used_memory``); each Range
+  engine's ``vllm:range_tier_far_copies_skipped_total`` and ``vllm:range_saves_skipped_total`` are in the JSON
+  (``not_written``) and the table says when they are not 0.
 
 A cold prefill of 4,096 tokens takes about 100 s on one core of the development machine (the bench model's
 attention over 32 layers), so (c) defaults to 3 samples where (a) and (b) take 10; ``--warmup`` hits before them
@@ -48,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import bench_common  # noqa: F401  (puts the repository on sys.path)
@@ -55,7 +59,7 @@ import torch
 
 from range_connector.backends.base import RangeRead, StripeWrite
 from range_connector.backends.factory import open_shard_backends
-from range_connector.backends.valkey.servers import ensure_servers, stop_servers
+from range_connector.backends.valkey.servers import ensure_servers, server_status, stop_servers
 from range_connector.bench.replay_metrics import snapshot_metrics
 from range_connector.bench.trace_prompts import normal_vocab_token_ids
 from range_connector.config import RangeConfig
@@ -153,11 +157,37 @@ def measure_wire_s(extra: dict[str, Any], num_layers: int, layer_bytes: int, rep
         backend.close()
 
 
+def tier_bytes_outside(shared_dir: Path) -> dict[str, int | None]:
+    """What the shared tiers hold, counted from outside Range: bytes of the file tier's files on disk and the Valkey
+    server's ``used_memory`` (``INFO memory``); ``None`` for a tier not started."""
+    files = shared_dir / "files"
+    disk = sum(f.stat().st_size for f in files.rglob("*") if f.is_file()) if files.is_dir() else None
+    valkey = [s.used_memory_bytes for s in server_status(shared_dir / "valkey")] if (shared_dir / "valkey").is_dir() \
+        else []
+    return {"file_bytes_on_disk": disk, "valkey_used_memory_bytes": valkey[0] if valkey else None}
+
+
+def wait_far_copies(shared_dir: Path, tiers: list[str], prefix_bytes: int, timeout_s: float = 120.0) -> None:
+    """Wait until each far tier of ``tiers`` holds at least ``prefix_bytes`` (counted from outside); log if not."""
+    keys = {"valkey": "valkey_used_memory_bytes", "file": "file_bytes_on_disk"}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = tier_bytes_outside(shared_dir)
+        short = {t: held[keys[t]] for t in tiers[1:] if t in keys and (held[keys[t]] or 0) < prefix_bytes}
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            _log(f"far tiers still short of the prefix's {prefix_bytes} B after {timeout_s:.0f} s: {short}")
+            return
+        time.sleep(0.5)
+
+
 def run_engine(name: str, args: argparse.Namespace, model_dir: Path, run_dir: Path, kv_config: str | None,
-               prefixes: list[list[int]], suffixes: list[list[int]], chunks_per_prefix: int, cold: bool) -> dict:
+               prefixes: list[list[int]], suffixes: list[list[int]], chunks_per_prefix: int, cold: bool,
+               before_stop: Callable[[], None] | None = None) -> dict:
     """Start one engine; send the cold prompts (one per prefix, unless not ``cold``: another engine saved the
-    prefix), then ``prefixes[0]`` with every suffix, one at a time; stop it. TTFTs, and per hit the counters that
-    show where its prefix came from."""
+    prefix), then ``prefixes[0]`` with every suffix, one at a time; call ``before_stop``; stop it. TTFTs, and per hit
+    the counters that show where its prefix came from."""
     extra_args = ["--enable-prompt-tokens-details"]
     if kv_config is not None:
         extra_args.append("--no-enable-prefix-caching")
@@ -202,8 +232,15 @@ def run_engine(name: str, args: argparse.Namespace, model_dir: Path, run_dir: Pa
             hooks = ", ".join(f"{h} {v:.3f} s" for h, v in sorted(delta["hook_s"].items(), key=lambda kv: -kv[1]))
             _log(f"{name}: hit {i - args.warmup}: {hit.ttft_s:.3f} s (cached {hit.cached_tokens}, "
                  f"{'ok' if hit_ok else 'MISSING'})" + (f"; in Range's hooks: {hooks}" if hooks else ""))
+        # what Range did not write, from its own /metrics: far copies of a hierarchy (write-through) and saves
+        final = scrape_metrics(server.base_url) if kv_config is not None else {}
+        not_written = {k.removeprefix("vllm:"): final.get(k, 0.0) for k in (
+            "vllm:range_tier_far_copies_skipped_total", "vllm:range_saves_skipped_total")}
+        if before_stop is not None:
+            before_stop()
     measured = [r for r in rows if r["repeat"] >= 0]
     return {"startup_s": startup_s, "kv_transfer_config": kv_config, "rows": rows, "cold_ttft_s": cold_s,
+            "not_written": not_written,
             "cold_ttft_s_median": _median(cold_s),
             "hit_ttft_s_median": _median([r["hit_ttft_s"] for r in measured if r["hit_ok"]]),
             "num_hits_ok": sum(r["hit_ok"] for r in measured), "num_repeats": len(measured)}
@@ -251,6 +288,10 @@ def format_table(result: dict[str, Any]) -> str:
         eng = result["engines"][tier]
         if eng["cold_ttft_s"]:
             lines.append(f"{'(c) Range saving to ' + '+'.join(eng['tiers']):<28}{f(eng['cold_ttft_s_median']):>12}")
+    for tier in result["verdicts"]:
+        skipped = result["engines"][tier].get("not_written", {})
+        if any(skipped.values()):
+            lines.append(f"NOT WRITTEN by Range {tier}: {skipped} (see vllm:range_tier_far_copies_skipped_total)")
     lines.append(f"plain copy of {result['prefix_kv_bytes'] / GIB:.3f} GiB into the KV cache: "
                  f"{f(result['copy_s_median'])} (median of {len(result['copy_s'])})")
     return "\n".join(lines)
@@ -335,9 +376,16 @@ def main(argv: list[str] | None = None) -> int:
                                               args.prefix_tokens, args.suffix_tokens)
             extra = None if tiers is None else tier_extra(tiers, shared_dir, args.tier_capacity_bytes,
                                                           args.range_extra_dict)
+            # the hierarchy writes its far copies after the near one: they must be on the far tiers before it stops
+            far_landed = None if tiers is None or len(tiers) < 2 else (
+                lambda tiers=tiers: wait_far_copies(shared_dir, tiers, result["prefix_kv_bytes"]))
             eng = run_engine(name, args, model_dir, run_dir, None if extra is None else connector_config(extra),
-                             prefixes, suffixes, args.prefix_tokens // chunk_tokens, cold=idx <= 1)
+                             prefixes, suffixes, args.prefix_tokens // chunk_tokens, cold=idx <= 1,
+                             before_stop=far_landed)
             eng["tiers"] = tiers
+            if tiers is not None:  # after the engine stopped: what the tiers hold, and what Range did not write
+                eng["tier_bytes_after"] = tier_bytes_outside(shared_dir)
+                _log(f"{name}: tiers after it: {eng['tier_bytes_after']}; not written: {eng['not_written']}")
             if name in ("valkey", "file"):
                 eng["wire_s"] = measure_wire_s(tier_extra([name], shared_dir, args.tier_capacity_bytes, {}),
                                                num_layers, layer_bytes, args.repeats)

@@ -162,8 +162,20 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
                          "logprobs, token-level pooling; vllm#57596): counted neither as hits nor as left-out hit "
                          "tokens, and not weighed by the gate."),
 }
+#: saves not written, one counter with a ``reason`` label (label -> the workers' stats key,
+#: :mod:`range_connector.worker.saves`); a skipped save is a future miss, never an error in the step
+PROM_SAVES_SKIPPED = ("vllm:range_saves_skipped",
+                      "Saves (one step's new chunks, per shard) Range did not write, by reason: tier_down (the "
+                      "tier's retry_s after a failure), backlog (save_mode async: save_backlog_bytes already "
+                      "waiting), capacity (the tier refused the stripe), no_space (the file system was full), reset "
+                      "(reset_external came first), error (the write failed). Each is a future miss.")
+SAVES_SKIPPED_STATS: dict[str, str] = {"tier_down": "saves_skipped", "backlog": "saves_skipped_backlog",
+                                       "capacity": "saves_skipped_capacity", "no_space": "saves_skipped_no_space",
+                                       "reset": "saves_skipped_reset", "error": "save_errors"}
 #: the cost-model gate's decisions, one counter with a ``decision`` label (stats key -> label value)
-PROM_GATE = ("vllm:range_gate_decisions", "Hits the cost-model gate took, shortened or refused, and its probes.")
+PROM_GATE = ("vllm:range_gate_decisions", "Hits the cost-model gate took, shortened or refused, and its probes; "
+             "late: hits of a fixed load_mode cut (a far run) or not started because the predicted load would "
+             "pass its own deadline.")
 #: client input Range dropped (range_connector.scheduler.request_input), one counter with a ``kind`` label
 PROM_REJECTED = ("vllm:range_rejected_request_inputs",
                  "Requests whose kv_transfer_params, cache salt, media ids or LoRA name Range dropped (wrong type or "
@@ -191,6 +203,10 @@ PROM_TIER_COUNTERS: dict[str, tuple[str, str]] = {
                        "Chunks the tier evicted to stay within its byte budget (the DRAM tier, each worker)."),
     "demoted_chunks": ("vllm:range_tier_demoted_chunks",
                        "Chunks the tier evicted and wrote to the next tier (write_policy write-back; each worker)."),
+    "far_copies_skipped": ("vllm:range_tier_far_copies_skipped",
+                           "Stripe copies a tier hierarchy did not write to this farther tier (write-through or "
+                           "write-back): its far-write backlog (save_backlog_bytes) was full, or the write failed. "
+                           "Those chunks stay in the nearer tier only; each worker."),
     "gate_predicted_load_seconds": ("vllm:range_gate_predicted_load_seconds",
                                     "Seconds the cost-model gate predicted for the loads it admitted (load_mode "
                                     "auto) whose realised time came back, by the farthest tier they read."),
@@ -214,4 +230,5 @@ def hook_key(hook: str) -> str:
 
 
 GATE_DECISIONS: dict[str, str] = {"decisions_taken": "taken", "decisions_shortened": "shortened",
-                                  "decisions_refused": "refused", "decisions_probes": "probe"}
+                                  "decisions_refused": "refused", "decisions_probes": "probe",
+                                  "loads_not_started_late": "late"}

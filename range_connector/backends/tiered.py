@@ -8,7 +8,8 @@ stripes (reads, views, leases, drops) to the tier of each id, with the tag taken
 
 Writes go through by default: a stripe is written to the nearest tier, then to each farther one (``far_writes``:
 ``"async"``, on this shard's far-writer thread once the nearest write returned, at most ``max_backlog_bytes``
-waiting, past which a far copy is skipped and counted; ``"sync"``: before :meth:`TieredBackend.write_stripe`
+waiting, past which a far copy is skipped, counted by tier and logged; an empty backlog always takes one write,
+however large, so that a stripe bigger than the bound is still written through; ``"sync"``: before :meth:`TieredBackend.write_stripe`
 returns, for a producer whose announcement must point at shared storage). A write may name the tiers it goes to
 (``StripeWrite.tiers``: a promotion writes the nearest tier only). The stripe keeps one id on every tier, so a far
 tier's copy needs no other ticket. With ``write_back`` a save writes the nearest tier only, and a stripe the DRAM
@@ -80,7 +81,8 @@ class TieredBackend(Backend):
             then (:meth:`demote`), unless it came from there (a promotion).
 
     Attributes:
-        far_writes_skipped: far copies not written because the backlog was full or the write failed.
+        far_writes_skipped: far copies not written because the backlog was full or the write failed (all tiers;
+            :meth:`take_far_copies_skipped` has them by tier).
         write_observer: called ``(tier index, seconds)`` after each tier's stripe write returned (the near one in
             :meth:`write_stripe`, far ones where they run); the worker's saver sets it (histogram ``save_seconds``).
     """
@@ -102,6 +104,8 @@ class TieredBackend(Backend):
         self.supports_scatter = all(t.supports_scatter for t in present)
         self.counters = present[0].counters  # (the nearest tier's: its result is write_stripe's)
         self.far_writes_skipped = 0
+        self._skipped_by_tier: dict[int, int] = defaultdict(int)  # since the last take
+        self._next_skip_log_s = 0.0
         self.write_back = write_back
         self._demoted: set[bytes] = set()  # chunk hashes (hex, from the ticket keys) demoted since the last take
         #: stripes written to the nearest tier only because a farther one holds them (promotions): not demoted
@@ -179,8 +183,7 @@ class TieredBackend(Backend):
             return all([self._write_far(write, i) for i in far])
         nbytes = write.nbytes * len(far)
         with self._lock:
-            if self._backlog_bytes + nbytes > self.max_backlog_bytes:
-                self.far_writes_skipped += len(far)
+            if not self._admit_locked(nbytes, far):
                 return stored
             self._backlog_bytes += nbytes
         fut = self._far.submit(self._write_far_all, write, far, nbytes)
@@ -209,7 +212,32 @@ class TieredBackend(Backend):
             logger.warning("Range save to %s failed: %s", tier.name, exc)
         with self._lock:
             self.far_writes_skipped += 1
+            self._skipped_by_tier[i] += 1
         return False
+
+    def _admit_locked(self, nbytes: int, far: list[int]) -> bool:
+        """Whether ``nbytes`` more of far writes (to tiers ``far``) fit the backlog; an empty backlog takes any one
+        write (a stripe bigger than the bound would otherwise never be written through). A refusal is counted by
+        tier and logged at most once a minute. Call with the lock held."""
+        if self._backlog_bytes == 0 or self._backlog_bytes + nbytes <= self.max_backlog_bytes:
+            return True
+        self.far_writes_skipped += len(far)
+        for i in far:
+            self._skipped_by_tier[i] += 1
+        now = time.monotonic()
+        if now >= self._next_skip_log_s:
+            self._next_skip_log_s = now + 60.0
+            logger.warning("Range %s: far copies skipped, %d bytes of far writes already waiting (save_backlog_bytes "
+                           "%d); these stripes stay in the nearest tier only (metric "
+                           "vllm:range_tier_far_copies_skipped_total)", self.name, self._backlog_bytes,
+                           self.max_backlog_bytes)
+        return False
+
+    def take_far_copies_skipped(self) -> dict[int, int]:
+        """Far copies skipped (backlog full or write failed) since the last call, by tier index."""
+        with self._lock:
+            out, self._skipped_by_tier = dict(self._skipped_by_tier), defaultdict(int)
+        return out
 
     def _observe(self, tier_idx: int, start_s: float) -> None:
         observer = self.write_observer
@@ -228,8 +256,7 @@ class TieredBackend(Backend):
         write = StripeWrite(stripe_id, layer_values, tickets)
         nbytes = write.nbytes
         with self._lock:
-            if self._backlog_bytes + nbytes > self.max_backlog_bytes:
-                self.far_writes_skipped += 1
+            if not self._admit_locked(nbytes, [nxt]):
                 return
             self._backlog_bytes += nbytes
             self._demoted.update(key.split(b":")[1] for key, _ in tickets)

@@ -98,7 +98,8 @@ ENGINE_KEYS: tuple[Key, ...] = (
         "answer promises stored KV).", choices=SAVE_MODES),
     Key("save_backlog_bytes", "int", "bytes", 256 << 20, "268435456",
         'With save_mode "async": bytes copied out and not yet written, at most; saves past it are skipped (a future '
-        "miss, counted)."),
+        "miss, counted), except that an empty backlog takes any one step's save. In a tier hierarchy the same bound "
+        "holds the far tiers' copies waiting (vllm:range_tier_far_copies_skipped_total counts those skipped)."),
     Key("load_deadline_s", "float", "s", 30.0, "30.0", "Longest deadline of one load; past it the blocks are "
         "recomputed."),
     Key("min_load_deadline_s", "float", "s", 0.25, "0.25",

@@ -20,7 +20,9 @@ from range_connector.metrics import (
     PROM_GATE,
     PROM_HOOKS,
     PROM_REJECTED,
+    PROM_SAVES_SKIPPED,
     PROM_TIER_COUNTERS,
+    SAVES_SKIPPED_STATS,
     hook_key,
     tier_key,
 )
@@ -93,6 +95,11 @@ class RangePromMetrics(KVConnectorPromMetrics):
                                      labelnames=[*labelnames, "kind"])
         for kind, key in REJECTION_STATS.items():
             self._counters[key] = {idx: rejected.labels(*values, kind)
+                                   for idx, values in per_engine_labelvalues.items()}
+        skipped = self._counter_cls(name=PROM_SAVES_SKIPPED[0], documentation=PROM_SAVES_SKIPPED[1],
+                                    labelnames=[*labelnames, "reason"])
+        for reason, key in SAVES_SKIPPED_STATS.items():
+            self._counters[key] = {idx: skipped.labels(*values, reason)
                                    for idx, values in per_engine_labelvalues.items()}
         #: (histogram key, tier) -> engine -> child
         self._histograms: dict[tuple[str, str], dict[int, Any]] = {}

@@ -402,7 +402,8 @@ class RangeWorker:
 
         The chunks are gathered out of the KV cache here, in the step (vLLM may reuse the blocks afterwards). With
         ``save_mode`` ``"sync"`` they are written before this returns; with ``"async"`` a background thread writes
-        them (at most ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped) and they are
+        them (at most ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped, except that an empty
+        backlog takes any one save) and they are
         reported to the scheduler with the step after the write. A failed or skipped write is counted, never
         raised: a lost save is only a future miss. The step's pipelined loads are settled first (a chunk computed
         on top of a failed load is not saved). Every chunk of a save marked ``confirm`` is reported, stored or not,
@@ -464,6 +465,12 @@ class RangeWorker:
         demoted = set().union(*(b.take_demoted() for b in self.backends if isinstance(b, TieredBackend)))
         if demoted:  # (distinct chunks, as evictions are counted)
             self.stats.add(tier_key("demoted_chunks", "memory"), len(demoted))
+        tier_types = [t.type for t in self.config.tiers]
+        for b in self.backends:
+            if isinstance(b, TieredBackend):
+                for tier_idx, n in b.take_far_copies_skipped().items():
+                    if 0 <= tier_idx < len(tier_types):
+                        self.stats.add(tier_key("far_copies_skipped", tier_types[tier_idx]), n)
         for b in leaf_backends(self.backends):
             take_evicted = getattr(b, "take_evicted", None)  # the DRAM tier (also behind a latency wrapper)
             if take_evicted is not None:

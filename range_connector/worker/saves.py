@@ -4,7 +4,8 @@ tickets are published with them.
 The chunks are gathered out of the KV cache in the step (vLLM may reuse the blocks afterwards), from blocks the step
 owns, so preemption and block reuse cannot mix foreign KV into a stripe. With ``save_mode`` ``"sync"`` they are
 written before :meth:`StripeSaver.save` returns; with ``"async"`` one background thread writes them (at most
-``save_backlog_bytes`` gathered and unwritten; past it the save is skipped). A failed or skipped write is counted,
+``save_backlog_bytes`` gathered and unwritten; past it the save is skipped, but an empty backlog takes any one step's
+save, so that a step larger than the bound is still saved). A failed or skipped write is counted,
 never raised: a lost save is only a future miss. After a shard's write fails, saves to it are skipped for the tier's
 ``retry_s``. Each stripe write that returned is timed, by tier (histogram ``save_seconds``,
 :mod:`range_connector.histograms`).
@@ -183,7 +184,7 @@ class StripeSaver:
             return
         nbytes = sum(v.numel() * v.element_size() for *_rest, values, _epoch, _tiers in stripes for v in values)
         with self._lock:
-            if self._backlog_bytes + nbytes > self.config.save_backlog_bytes:
+            if self._backlog_bytes and self._backlog_bytes + nbytes > self.config.save_backlog_bytes:
                 self.stats.add("saves_skipped_backlog")
                 self._results.extend((o[0], o[1], False) for o in owners if o is not None)
                 return

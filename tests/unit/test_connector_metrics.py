@@ -19,7 +19,7 @@ from range_connector.bench.replay_metrics import RANGE_COUNTERS, connector_check
 from range_connector.connector.stats import RangeConnectorStats, RangePromMetrics
 from range_connector.kv.metadata import ChunkTransfer
 from range_connector.kv.namespace import ChunkHash
-from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE, LoadTally, tokens_per_chunk
+from range_connector.metrics import GATE_DECISIONS, PROM_COUNTERS, PROM_GATE, LoadTally, tier_key, tokens_per_chunk
 from range_connector.testing.processes import free_port
 from tests.unit.clocks import WIDE_S, reads_returned, wait_until
 from tests.unit.scheduler_worker_harness import (
@@ -235,7 +235,28 @@ def test_replay_reader_names_are_the_exported_ones() -> None:
     assert set(RANGE_COUNTERS.values()) <= exported
     assert all(name.startswith("vllm:range_") for name, _ in [*PROM_COUNTERS.values(), PROM_GATE])
     assert set(GATE_DECISIONS) == {"decisions_taken", "decisions_shortened", "decisions_refused",
-                                   "decisions_probes"}
+                                   "decisions_probes", "loads_not_started_late"}
+
+
+def test_skipped_saves_far_copies_and_late_hits_are_exported_by_label(registry: CollectorRegistry) -> None:
+    # What a cache loses silently otherwise: saves not written (by reason), far copies a hierarchy skipped (by tier),
+    # hits a fixed load mode did not start because their load was predicted late.
+    from range_connector.metrics import SAVES_SKIPPED_STATS
+
+    prom = _prom(registry)
+    prom.observe({SAVES_SKIPPED_STATS["backlog"]: 3, SAVES_SKIPPED_STATS["tier_down"]: 1, "save_errors": 2,
+                  tier_key("far_copies_skipped", "valkey"): 4, "loads_not_started_late": 5})
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+
+    assert value("vllm:range_saves_skipped_total", reason="backlog") == 3
+    assert value("vllm:range_saves_skipped_total", reason="tier_down") == 1
+    assert value("vllm:range_saves_skipped_total", reason="error") == 2
+    assert value("vllm:range_saves_skipped_total", reason="no_space") == 0
+    assert value("vllm:range_tier_far_copies_skipped_total", tier="valkey") == 4
+    assert value("vllm:range_tier_far_copies_skipped_total", tier="file") == 0
+    assert value("vllm:range_gate_decisions_total", decision="late") == 5
 
 
 @pytest.fixture()

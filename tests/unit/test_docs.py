@@ -32,7 +32,8 @@ import pytest
 from range_connector.cli import build_parser
 from range_connector.config import RangeConfig
 from range_connector.histograms import GAUGES, HISTOGRAMS
-from range_connector.metrics import PROM_COUNTERS, PROM_GATE, PROM_HOOKS, PROM_REJECTED, PROM_TIER_COUNTERS
+from range_connector.metrics import (PROM_COUNTERS, PROM_GATE, PROM_HOOKS, PROM_REJECTED, PROM_SAVES_SKIPPED,
+                                     PROM_TIER_COUNTERS)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -236,7 +237,8 @@ def test_the_docs_show_the_commands() -> None:
 # ------------------------------------------------------------------------------------------ metrics named
 def test_every_metric_named_exists() -> None:
     exported = {name + "_total" for name, _help in (*PROM_COUNTERS.values(), *PROM_TIER_COUNTERS.values())} | {
-        PROM_GATE[0] + "_total", PROM_REJECTED[0] + "_total", PROM_HOOKS[0] + "_total"} | {
+        PROM_GATE[0] + "_total", PROM_REJECTED[0] + "_total", PROM_HOOKS[0] + "_total",
+        PROM_SAVES_SKIPPED[0] + "_total"} | {
         h.name for h in HISTOGRAMS.values()} | {
         name for name, _help, _unit in GAUGES.values()}
     series = {h.name + suffix for h in HISTOGRAMS.values() for suffix in ("_bucket", "_count", "_sum")}

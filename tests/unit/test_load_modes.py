@@ -537,14 +537,25 @@ def test_async_saves_do_not_hold_the_step_and_are_reported_once_written() -> Non
 
 
 @pytest.mark.timeout(60)
-def test_async_saves_past_the_backlog_are_skipped_and_counted() -> None:
+def test_async_saves_past_the_backlog_are_skipped_and_counted_but_an_empty_backlog_takes_one() -> None:
+    # The bound is less than one stripe. The first step's save finds the backlog empty and is taken (a bound smaller
+    # than one step's save must not skip every save); while it waits on a frozen tier, the next step's save (the same
+    # request's next prefill chunk) is skipped and counted.
     inner = shard_backends(1, 1)
-    slow, _, _ = _slow(inner, write_bandwidth=1e5)
-    eng = Engine(slow, seed=89, save_mode="async", save_backlog_bytes=1024)  # less than one stripe
-    assert eng.admit(FakeRequest("A-0", prompt_tokens(150, seed=90))) == 0
+    slow, control, clock = _slow(inner)
+    eng = Engine(slow, seed=89, save_mode="async", save_backlog_bytes=1024)
+    assert eng.admit(FakeRequest("A-0", prompt_tokens(150, seed=90)), 64) == 0
+    control.update(frozen=True)
+    readings = clock.readings
     eng.step()
-    assert eng.worker.stats["saves_skipped_backlog"] == 1 and eng.worker.wait_for_saves(WIDE_S)
-    assert eng.worker.saver.backlog_bytes == 0
+    wait_until(lambda: clock.readings >= readings + 3, "the first save reached the frozen tier")
+    assert eng.worker.saver.backlog_bytes > 1024 and eng.worker.stats.get("saves_skipped_backlog", 0) == 0
+    eng.continue_("A-0", 64)
+    eng.step()
+    assert eng.worker.stats["saves_skipped_backlog"] == 1
+    control.update(frozen=False)
+    assert eng.worker.wait_for_saves(WIDE_S) and eng.worker.saver.backlog_bytes == 0
+    assert inner[0].used_bytes() > 0  # the first one was written
     eng.close()
 
 

@@ -375,3 +375,31 @@ def test_with_a_fixed_load_mode_a_slow_dram_estimate_never_cuts_the_dram_run(tmp
     assert eng.sched.get_num_new_matched_tokens(FakeRequest("dram", prompt), 0)[0] == 128
     assert eng.sched.stats["loads_not_started_late"] == 0
     eng.close()
+
+
+def test_a_far_copy_bigger_than_the_backlog_is_written_through_and_one_past_a_waiting_one_is_skipped_and_counted(
+        ) -> None:
+    # A stripe larger than save_backlog_bytes finds the far-write backlog empty and is written through (before,
+    # such a stripe was never copied to a far tier, and nothing showed it); a second one while the first still waits
+    # on a frozen far tier is skipped, counted by tier (the worker exports it as
+    # vllm:range_tier_far_copies_skipped_total) and stays in the nearest tier only.
+    from range_connector.backends.base import StripeWrite
+    from range_connector.backends.latency import LatencyBackend, LatencyControl, TierLatency
+    from tests.unit.clocks import StillClock, wait_until
+
+    clock = StillClock()
+    control = LatencyControl(TierLatency(frozen=True), clock=clock)
+    dram, far_inner = MemoryBackend(64 * MiB, name="dram"), MemoryBackend(64 * MiB, name="far")
+    tiered = TieredBackend([dram, LatencyBackend(far_inner, control, timeout_s=5.0, sleep=lambda s: None)],
+                           max_backlog_bytes=1024)
+    values = [bytes(4096)] * 2  # 8 KiB: eight times the bound
+    readings = clock.readings
+    assert tiered.write_stripe(StripeWrite("aa01", values, [(b"k:aa01", b"t")]))
+    wait_until(lambda: clock.readings >= readings + 3, "the first far copy reached the frozen far tier")
+    assert tiered.write_stripe(StripeWrite("bb02", values, [(b"k:bb02", b"t")]))  # the near tier stores it
+    assert tiered.take_far_copies_skipped() == {1: 1} and tiered.far_writes_skipped == 1
+    assert tiered.take_far_copies_skipped() == {}  # (taken once)
+    control.update(frozen=False)
+    assert tiered.wait_far_writes(30.0)
+    assert far_inner.used_bytes() == 8192 and dram.used_bytes() == 16384  # the far tier holds the first only
+    tiered.close()
