@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                                        **({fleet_reports[0].label: [r.label for r in fleet_reports[1:]]}
                                           if fleet_reports else {})},
                           verdicts=verdicts, **fleet_json)
-        write_json(out, reports, extra=extra)
+        write_json(out, reports, extra=extra, compared=[pd_report.label])
         pngs = write_plots(out.with_suffix(""), reports)
         print()
         print(results_text(pd_report, none_report, fleet_reports,

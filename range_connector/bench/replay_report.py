@@ -196,11 +196,14 @@ def format_comparison(reports: Sequence[ReplayReport], baseline: str = "none") -
 
 
 def write_json(path: str | os.PathLike[str], reports: Sequence[ReplayReport], *, baseline: str = "none",
-               extra: dict[str, Any] | None = None) -> Path:
-    """Write ``{"reports": [...], "ratios_vs_<baseline>": ..., **extra}`` as JSON; returns the path."""
+               extra: dict[str, Any] | None = None, compared: Sequence[str] | None = None) -> Path:
+    """Write ``{"reports": [...], "ratios_vs_<baseline>": ..., **extra}`` as JSON; returns the path. The ratios are
+    of the reports labelled in ``compared`` (all when ``None``): a report measured against another baseline (the
+    demo's fleet, against the fleet without a connector) is left out of ``baseline``'s."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {**(extra or {}), "baseline": baseline, f"ratios_vs_{baseline}": ratios(reports, baseline),
+    ratioed = [r for r in reports if compared is None or r.label == baseline or r.label in compared]
+    doc = {**(extra or {}), "baseline": baseline, f"ratios_vs_{baseline}": ratios(ratioed, baseline),
            f"outputs_equal_to_{baseline}": outputs_equal(reports, baseline), "reports": [r.to_dict() for r in reports]}
     path.write_text(json.dumps(doc, indent=1, default=str))
     return path

@@ -96,6 +96,10 @@ def test_comparison_table_ratios_and_output_equality(tmp_path) -> None:
     assert any(line.startswith("  differ from output token #") and line.split()[-1] == "2" for line in lines)
     assert doc["outputs_equal_to_none"]["range"] == {"equal": 2, "compared": 3, "first_differing_token": {"2": 2}}
     assert doc["ratios_vs_none"]["range"]["E2E p50 (s)"] == pytest.approx(0.25)
+    # a report measured against another baseline (the demo's fleet) is left out of none's ratios
+    fleet = report("prefix-range", 0.2, ["a", "b", "c"])
+    doc = json.loads(write_json(tmp_path / "r2.json", [none, rng, fleet], compared=["range"]).read_text())
+    assert set(doc["ratios_vs_none"]) == {"range"} and len(doc["reports"]) == 3
 
 
 def test_unreadable_metrics_are_reported_not_raised() -> None:
