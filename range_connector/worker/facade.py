@@ -403,9 +403,8 @@ class RangeWorker:
         The chunks are gathered out of the KV cache here, in the step (vLLM may reuse the blocks afterwards). With
         ``save_mode`` ``"sync"`` they are written before this returns; with ``"async"`` a background thread writes
         them (at most ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped, except that an empty
-        backlog takes any one save) and they are
-        reported to the scheduler with the step after the write. A failed or skipped write is counted, never
-        raised: a lost save is only a future miss. The step's pipelined loads are settled first (a chunk computed
+        backlog takes any one save) and they are reported to the scheduler with the step after the write. A failed
+        or skipped write is counted, never raised: a lost save is only a future miss. The step's pipelined loads are settled first (a chunk computed
         on top of a failed load is not saved). Every chunk of a save marked ``confirm`` is reported, stored or not,
         in ``RangeWorkerMetadata.save_results`` (in this step's report with ``"sync"``, in the report of the step
         after its write with ``"async"``).

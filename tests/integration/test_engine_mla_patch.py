@@ -22,6 +22,7 @@ import os
 import pytest
 
 from range_connector import cli
+from range_connector.ops.checks import cpu_mla_block_size
 from range_connector.plugin import FORCE_MLA_DIRECT_CALL_ENV
 from range_connector.spec import NO_MLA_FALLBACK_ENV
 from range_connector.testing.tiny_models import build_model
@@ -29,7 +30,8 @@ from tests.integration.harness import prompt_ids, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-MLA_BLOCK_SIZE = 16  # vLLM-CPU forces 16 for MLA
+# vLLM-CPU forces 16 for MLA on its reference backend; its AMX backend (x86 with AMX) refuses 16 and defaults to 128
+MLA_BLOCK_SIZE = cpu_mla_block_size()
 
 
 def test_patched_direct_call_branch_reaches_the_layer_hooks(vllm_copy, tmp_path) -> None:
