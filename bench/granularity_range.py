@@ -160,8 +160,9 @@ class RangeCase:
     def setup(self) -> None:
         args, C = self.args, self.C
         tier = TierConfig(self.backend, timeout_s=300.0, capacity_bytes=0)
+        # (save_mode "sync": the save batch is timed until it is stored, and the load reads what it reported)
         config = RangeConfig(tiers=(tier,), chunk_tokens=C, num_shards=1, load_deadline_s=600.0,
-                             verify_checksums=True)
+                             verify_checksums=True, save_mode="sync")
         info: dict[str, Any] = {}
         if self.backend == "memory":
             mem = MemoryBackend(capacity_bytes=None)

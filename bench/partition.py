@@ -153,8 +153,9 @@ class Case:
     def setup(self) -> None:
         args, S = self.args, self.S
         tier = TierConfig("valkey", servers=tuple(self.urls), timeout_s=300.0)
+        # (save_mode "sync": the save is stored when it returns, and the loads read the tickets it reported)
         config = RangeConfig(tiers=(tier,), num_shards=S, chunk_tokens=self.chunk_tokens,
-                             load_deadline_s=600.0).resolve(BLOCK_SIZE)
+                             load_deadline_s=600.0, save_mode="sync").resolve(BLOCK_SIZE)
         ns = namespace_fingerprint({"bench": "partition", "case": self.name, "run": args.run_tag})
         saver_b = [ValkeyBackend(u, timeout_s=300.0) for u in self.urls]
         saver = RangeWorker(config, BLOCK_SIZE, self.payload.kv.layer_names, self.payload.kv.num_blocks, saver_b)

@@ -112,7 +112,9 @@ def config(tier_type: str = "memory", *, chunk_tokens: int = 32, block_size: int
 
 def save(worker: RangeWorker, hashes: Sequence[ChunkHash], block_ids: Sequence[int], num_tokens: int,
          req_id: str = "save") -> dict[ChunkHash, tuple[Ticket, ...]]:
-    """Save the chunks ``hashes`` from ``block_ids`` (``blocks_per_chunk`` consecutive ids per chunk).
+    """Save the chunks ``hashes`` from ``block_ids`` (``blocks_per_chunk`` consecutive ids per chunk), and wait for
+    the writes (with ``save_mode`` ``"async"`` they end on the worker's saver thread), at most the tier's
+    ``timeout_s``.
 
     Returns:
         ``chunk hash -> [num_shards]`` tickets of the chunks saved (a chunk whose write failed is absent).
@@ -121,6 +123,7 @@ def save(worker: RangeWorker, hashes: Sequence[ChunkHash], block_ids: Sequence[i
     chunks = tuple(ChunkTransfer(i, h, tuple(range(bpc)), tuple(block_ids[i * bpc:(i + 1) * bpc]))
                    for i, h in enumerate(hashes))
     worker.save(RangeConnectorMetadata(saves=[RequestTransfer(req_id, chunks, num_tokens)]))
+    worker.wait_for_saves(worker.config.tier.timeout_s)  # (save_mode "async": written on the saver thread)
     meta = worker.build_worker_meta()
     return {} if meta is None else {h: tickets for h, _group, tickets in meta.saved}
 

@@ -157,6 +157,12 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
                               "recomputed and forgotten."),
     "load_backend_errors": ("vllm:range_load_backend_errors",
                             "Tier calls of loads that failed or timed out; their chunks recomputed."),
+    "save_waits": ("vllm:range_save_waits",
+                   "Times a request was asked again at the next step because a chunk of its prompt past its local "
+                   "hit was still being saved in the background (save_mode async): it waits rather than miss it."),
+    "save_wait_timeouts": ("vllm:range_save_wait_timeouts",
+                           "Requests that waited lookup_wait_s for the background saves of their prefix and went on "
+                           "with what was stored by then."),
     "lookups_not_read": ("vllm:range_lookups_not_read",
                          "Requests whose lookup answer vLLM does not read (skip_reading_prefix_cache: prompt "
                          "logprobs, token-level pooling; vllm#57596): counted neither as hits nor as left-out hit "

@@ -218,7 +218,7 @@ class RangeSpec:
         if transfer.kv_role == "kv_producer" and config.save_mode == "async":
             # A prefill engine's answer (kv_transfer_params) promises KV that is stored: its saves end in the step.
             config = dataclasses.replace(config, save_mode="sync")
-            if in_worker:
+            if in_worker and "save_mode" in (transfer.kv_connector_extra_config or {}):  # (asked for, not the default)
                 logger.info("Range: kv_producer saves synchronously (save_mode \"async\" ignored)")
         return cls(config, parsed.load_mode, plan, cp, group, kv_cache_config.num_blocks, transfer.kv_role,
                    namespace, fields, ranks, compat.tp_rank() if in_worker else 0)

@@ -93,9 +93,10 @@ ENGINE_KEYS: tuple[Key, ...] = (
         "(the cost model takes, shortens or refuses each hit and picks pipelined or async).", choices=LOAD_MODES),
     Key("save_mode", "choice", "-", "sync", '"sync"',
         '"sync": a step\'s new chunks are written to the tier before the step ends (bounded by the tier\'s '
-        'timeout_s). "async": the step copies them out of the KV cache and a background thread writes them, so a '
-        "slow tier does not slow the engine's steps (a prefill engine, kv_producer, always saves synchronously: its "
-        "answer promises stored KV).", choices=SAVE_MODES),
+        'timeout_s). "async": the step copies them out of the KV cache and a background thread writes them, so '
+        "writing does not slow the engine's steps; a request that arrives while its prefix is being written is asked "
+        "again at the next steps until the write ended (at most lookup_wait_s), so it does not miss it. A prefill "
+        "engine (kv_producer) always saves synchronously: its answer promises stored KV.", choices=SAVE_MODES),
     Key("save_backlog_bytes", "int", "bytes", 256 << 20, "268435456",
         'With save_mode "async": bytes copied out and not yet written, at most; saves past it are skipped (a future '
         "miss, counted), except that an empty backlog takes any one step's save. In a tier hierarchy the same bound "
@@ -111,7 +112,8 @@ ENGINE_KEYS: tuple[Key, ...] = (
     Key("lookup_wait_s", "float", "s", 5.0, "5.0",
         "How long the scheduler waits for a lookup before it lets the engine run other requests (the request is "
         "asked again at the next step, its lookup still running); small values keep a slow tier from stalling "
-        "scheduling.", allow_zero=True),
+        'scheduling. Also the longest a request waits for the background saves (save_mode "async") of its prefix.',
+        allow_zero=True),
     Key("calibration_file", "str", "path", None, "none",
         'With load_mode "auto": the file written by `range-connector calibrate` that seeds R, B and T0.'),
     Key("verify_checksums", "bool", "-", True, "true", "Verify each loaded value's checksum before it reaches "

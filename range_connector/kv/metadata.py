@@ -109,6 +109,9 @@ class RangeWorkerMetadata:
     Attributes:
         saved: ``(chunk hash, ticket group, [num_shards] tickets)`` of chunks whose every shard was written by this
             worker (the group tells the DRAM tier's index whose stripes they are: :mod:`range_connector.kv.heads`).
+        unsaved: with ``save_mode`` ``"async"``, chunk hashes whose background save by this worker ended without
+            storing them on every shard (skipped, dropped or failed): the scheduler stops waiting for them
+            (:mod:`range_connector.scheduler.saves_in_flight`). One entry per chunk per worker.
         dropped: chunk hashes found corrupt on load, or evicted from a worker's DRAM tier.
         loaded: requests whose load of this step finished (loaded or failed): their leases can go.
         failed_loads: ``(req_id, chunk_idx)``: the request's load failed from that chunk on; those chunks are
@@ -127,6 +130,7 @@ class RangeWorkerMetadata:
     """
 
     saved: list[tuple[ChunkHash, int, tuple[Ticket, ...]]] = field(default_factory=list)
+    unsaved: list[ChunkHash] = field(default_factory=list)
     dropped: list[ChunkHash] = field(default_factory=list)
     failed_loads: list[tuple[str, int]] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
@@ -143,7 +147,8 @@ class RangeWorkerMetadata:
         """
         if not isinstance(other, RangeWorkerMetadata):
             raise TypeError(f"cannot aggregate RangeWorkerMetadata with {type(other).__name__}")
-        return RangeWorkerMetadata(saved=self.saved + other.saved, dropped=self.dropped + other.dropped,
+        return RangeWorkerMetadata(saved=self.saved + other.saved, unsaved=self.unsaved + other.unsaved,
+                                   dropped=self.dropped + other.dropped,
                                    failed_loads=self.failed_loads + other.failed_loads,
                                    loaded=sorted(set(self.loaded) | set(other.loaded)),
                                    load_timings=self.load_timings + other.load_timings,

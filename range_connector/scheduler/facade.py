@@ -52,6 +52,7 @@ from range_connector.scheduler.planning import (
     unread_lookup,
 )
 from range_connector.scheduler.request_input import RequestInputs
+from range_connector.scheduler.saves_in_flight import SavesInFlight
 from range_connector.scheduler.tiers import Promotions, entry_tier, make_lookup, tier_runs
 
 if TYPE_CHECKING:
@@ -121,6 +122,10 @@ class RangeScheduler:
         #: every request's client input, parsed once (typed, bounded; what is dropped is counted by kind)
         self.inputs = RequestInputs(self.stats)
         self.handoff = Handoff(self.settings, config.remote_wait_s, self.stats, num_saving_ranks, self.inputs)
+        #: with save_mode "async": the chunks being written in the background, which a request waits for (at most
+        #: lookup_wait_s) rather than miss them (``None`` with "sync": a step's saves are written within it)
+        self.saves_in_flight = SavesInFlight(num_saving_ranks, config.lookup_wait_s, self.stats) if (
+            can_save and config.save_mode == "async") else None
         gate: CostGate | None = None
         if can_load and num_layers > 0 and layer_block_bytes > 0:
             calibration = load_calibration(config.calibration_file) if config.calibration_file else None
@@ -200,6 +205,9 @@ class RangeScheduler:
                                                  "pipelined", tail, decision=refusal, skip_saves=True)
             self.stats["lookups_skipped_unprofitable"] += 1
             return 0, False
+        if (self.can_load and self.saves_in_flight is not None
+                and self.saves_in_flight.should_wait(req_id, hashes, num_computed_tokens // self.chunk_tokens)):
+            return None, False  # its prefix is being saved: vLLM asks again next step and runs other requests
         tickets = self.lookup.lookup(req_id, hashes, tail)
         if tickets is None:
             self.stats["lookups_pending"] += 1
@@ -313,6 +321,8 @@ class RangeScheduler:
             self._load_failed_at_tokens.pop(req_id, None)
             self._failures_learnt_through.pop(req_id, None)
             self.leases.release(req_id)
+            if self.saves_in_flight is not None:
+                self.saves_in_flight.forget(req_id)
         progress = scheduled_progress(self._requests, scheduler_output)
         if self.can_save:
             stored = self.lookup.index if self.lookup.dedupes_saves else ()
@@ -326,6 +336,8 @@ class RangeScheduler:
                                  already_stored=stored)
                 save = self.handoff.plan_saves(state.req_id, first, state.num_saved_chunks, save)
                 if save is not None:
+                    if self.saves_in_flight is not None:
+                        self.saves_in_flight.planned(c.chunk_hash for c in save.chunks)
                     prefix = tuple(state.block_ids[:save.chunks[0].chunk_idx * self.plan.blocks_per_chunk])
                     meta.saves.append(dataclasses.replace(
                         save, prefix_block_ids=prefix,
@@ -381,6 +393,9 @@ class RangeScheduler:
             self.leases.release(req_id)
         self.admission.learn(worker_meta)
         self.lookup.learn(worker_meta.saved, worker_meta.dropped)
+        if self.saves_in_flight is not None:
+            self.saves_in_flight.learn([h for h, _group, _tickets in worker_meta.saved],
+                                       [*worker_meta.unsaved, *worker_meta.dropped])
 
     def request_finished(self, request: EngineRequest, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; saves gather their blocks within the step, so the blocks can be freed now.
@@ -400,6 +415,8 @@ class RangeScheduler:
         self._load_failed_at_tokens.pop(req_id, None)
         self._failures_learnt_through.pop(req_id, None)
         self.lookup.forget(req_id)
+        if self.saves_in_flight is not None:
+            self.saves_in_flight.forget(req_id)
         self.leases.release(req_id)
         announcement = self.handoff.announcement(request, state, can_save=self.can_save, chunk_tokens=self.chunk_tokens)
         self.inputs.forget(req_id)
@@ -420,6 +437,8 @@ class RangeScheduler:
         """
         self.reset_generation += 1
         ok = self.lookup.reset()
+        if self.saves_in_flight is not None:
+            self.saves_in_flight.clear()
         self.stats["resets"] += 1
         logger.info("Range: cache of deployment %s reset%s", self.config.deployment, "" if ok else " (incomplete)")
         return ok

@@ -404,22 +404,26 @@ class RangeWorker:
         ``save_mode`` ``"sync"`` they are written before this returns; with ``"async"`` a background thread writes
         them (at most ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped, except that an empty
         backlog takes any one save) and they are reported to the scheduler with the step after the write. A failed
-        or skipped write is counted, never raised: a lost save is only a future miss. The step's pipelined loads are settled first (a chunk computed
-        on top of a failed load is not saved). Every chunk of a save marked ``confirm`` is reported, stored or not,
-        in ``RangeWorkerMetadata.save_results`` (in this step's report with ``"sync"``, in the report of the step
-        after its write with ``"async"``).
+        or skipped write is counted, never raised: a lost save is only a future miss. The step's pipelined loads are
+        settled first (a chunk computed on top of a failed load is not saved). Every chunk of a save marked
+        ``confirm`` is reported, stored or not, in ``RangeWorkerMetadata.save_results`` (in this step's report with
+        ``"sync"``, in the report of the step after its write with ``"async"``); with ``"async"``, every chunk whose
+        write ended unstored is also reported in ``RangeWorkerMetadata.unsaved``, for the scheduler's record of
+        saves in flight.
         """
         self._finish_step_job()
         self.follow_reset(meta)
         if not meta.saves or not self.is_writer:  # (a replica's heads are written by its ticket group's writer)
             return
         if self.layout is None:  # no KV cache registered: nothing can be stored
-            self.saver.report([(r.req_id, c.chunk_idx) for r in meta.saves if r.confirm for c in r.chunks], False)
+            self.saver.report([(r.req_id, c.chunk_idx) for r in meta.saves if r.confirm for c in r.chunks], False,
+                              [c.chunk_hash for r in meta.saves for c in r.chunks])
             return
         #: the tiers a save goes to (``None``: all) -> ((chunk_hash, block ids of the whole chunk), who waits for
         #: each chunk's outcome)
         by_tiers: dict[tuple[int, ...] | None, tuple[list, list[tuple[str, int] | None]]] = {}
         dropped: list[tuple[str, int] | None] = []
+        dropped_hashes: list[ChunkHash] = []
         # Blocks whose load failed in a step the scheduler had not heard of when it planned these saves: KV computed
         # on top of them (by their request, or by another that shares them through vLLM's prefix cache) is wrong.
         known = meta.reports_learnt_through
@@ -438,10 +442,11 @@ class RangeWorker:
                 if failed_from is not None and c.chunk_idx >= failed_from:
                     self.stats.add("saves_dropped_after_failed_load")
                     dropped.append(owner)
+                    dropped_hashes.append(c.chunk_hash)
                     continue
                 target[0].append((c.chunk_hash, c.block_ids))
                 target[1].append(owner)
-        self.saver.report(dropped, False)
+        self.saver.report(dropped, False, dropped_hashes)
         for tiers, (chunks, owners) in by_tiers.items():  # (a promotion writes the DRAM tier only: its own stripes)
             if chunks:
                 self.saver.save(chunks, self.load_context, owners, tiers=tiers)
@@ -483,7 +488,8 @@ class RangeWorker:
                 or probe_timings):
             return None
         saved = self.saver.take_saved()
-        meta = RangeWorkerMetadata(step_idx=self.step_idx, saved=saved, dropped=dropped,
+        meta = RangeWorkerMetadata(step_idx=self.step_idx, saved=saved, unsaved=self.saver.take_unsaved(),
+                                   dropped=dropped,
                                    failed_loads=self._failed_loads,
                                    loaded=self._loaded_reqs, load_timings=self._load_timings,
                                    probe_timings=probe_timings, save_results=self.saver.take_results())

@@ -92,6 +92,10 @@ class StripeSaver:
         self._down_until = [0.0] * len(backends)  # per shard: monotonic time before which saves are skipped
         self._saved: list[tuple[ChunkHash, int, tuple[Ticket, ...]]] = []  # (appended by the saver thread too)
         self._results: list[tuple[str, int, bool]] = []  # confirmed chunks' outcomes (likewise)
+        #: with save_mode "async": chunks whose write ended without storing them (likewise), so that the scheduler
+        #: stops waiting for them (:mod:`range_connector.scheduler.saves_in_flight`)
+        self._unsaved: list[ChunkHash] = []
+        self._reports_unsaved = config.save_mode == "async"
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="range-save")
         self._pending: weakref.WeakSet[Future] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -112,8 +116,9 @@ class StripeSaver:
         return self._backlog_bytes
 
     def has_saved(self) -> bool:
-        """Whether saves completed since :meth:`take_saved` last ran, or outcomes wait in :meth:`take_results`."""
-        return bool(self._saved or self._results)
+        """Whether saves completed since :meth:`take_saved` last ran, or outcomes wait in :meth:`take_results` or
+        :meth:`take_unsaved`."""
+        return bool(self._saved or self._results or self._unsaved)
 
     def take_saved(self) -> list[tuple[ChunkHash, int, tuple[Ticket, ...]]]:
         """``(chunk hash, ticket group, [num_shards] tickets)`` of the chunks whose every shard was written since
@@ -121,6 +126,13 @@ class StripeSaver:
         with self._lock:
             saved, self._saved = self._saved, []
         return saved
+
+    def take_unsaved(self) -> list[ChunkHash]:
+        """With ``save_mode`` ``"async"``: the chunks whose save by this worker ended since the last call without
+        storing them on every shard (skipped, dropped or failed); always empty with ``"sync"``."""
+        with self._lock:
+            unsaved, self._unsaved = self._unsaved, []
+        return unsaved
 
     def take_results(self) -> list[tuple[str, int, bool]]:
         """``(req_id, chunk_idx, stored)`` of every confirmed chunk whose write ended since the last call (``stored``:
@@ -136,13 +148,16 @@ class StripeSaver:
             self.generation = generation
             self._saved = []
 
-    def report(self, owners: Sequence[SaveOwner], stored: bool) -> None:
+    def report(self, owners: Sequence[SaveOwner], stored: bool, chunk_hashes: Sequence[ChunkHash] = ()) -> None:
         """Record the outcome of owned chunks that are not handed to :meth:`save` (dropped before it), for
-        :meth:`take_results`."""
+        :meth:`take_results`; ``chunk_hashes`` (those chunks', owned or not) are reported unsaved when not
+        ``stored`` (:meth:`take_unsaved`)."""
         results = [(o[0], o[1], stored) for o in owners if o is not None]
-        if results:
+        unsaved = list(chunk_hashes) if self._reports_unsaved and not stored else []
+        if results or unsaved:
             with self._lock:
                 self._results.extend(results)
+                self._unsaved.extend(unsaved)
 
     def save(self, chunks: list[SaveChunk], context: LoadContext, owners: Sequence[SaveOwner] = (),
              tiers: tuple[int, ...] | None = None) -> None:
@@ -187,6 +202,7 @@ class StripeSaver:
             if self._backlog_bytes and self._backlog_bytes + nbytes > self.config.save_backlog_bytes:
                 self.stats.add("saves_skipped_backlog")
                 self._results.extend((o[0], o[1], False) for o in owners if o is not None)
+                self._unsaved.extend(hashes)
                 return
             self._backlog_bytes += nbytes
         self._pending.add(self._thread.submit(self._write_stripes, stripes, hashes, owners, nbytes, context,
@@ -234,6 +250,8 @@ class StripeSaver:
                 stored = {h for h, _group, _tickets in saved}
                 self._saved.extend(saved)  # type: ignore[arg-type]
                 self._results.extend((o[0], o[1], h in stored) for h, o in zip(hashes, owners) if o is not None)
+                if self._reports_unsaved:
+                    self._unsaved.extend(h for h in hashes if h not in stored)
                 self._backlog_bytes -= backlog_bytes
                 reported = True
             self.stats.add("saved_chunks", len(saved))
@@ -243,6 +261,8 @@ class StripeSaver:
             if not reported:
                 with self._lock:
                     self._results.extend((o[0], o[1], False) for o in owners if o is not None)
+                    if self._reports_unsaved:
+                        self._unsaved.extend(hashes)
                     self._backlog_bytes -= backlog_bytes
 
     def _write_stripe(self, s: int, backend: Backend, chunks: list[SaveChunk], values: list[torch.Tensor],

@@ -181,7 +181,8 @@ def test_shard_frozen_past_the_deadline_fails_the_load_in_time(valkey_server_set
 
 def _big_worker(backends, num_blocks: int = 4) -> tuple[RangeWorker, dict[str, torch.Tensor]]:
     """A worker whose one layer holds 1 MiB per block (2 MiB per chunk value): over a 1 MiB bulk limit."""
-    config = RangeConfig(tiers=(TierConfig("memory"),), chunk_tokens=32).resolve(16)
+    # (save_mode "sync": what a save stored is checked when it returns)
+    config = RangeConfig(tiers=(TierConfig("memory"),), chunk_tokens=32, save_mode="sync").resolve(16)
     kv = {"layer.0": torch.randn((num_blocks, 2, 16, 2 * 8192)).to(torch.bfloat16)}
     w = RangeWorker(config, 16, ("layer.0",), num_blocks, backends)
     w.register_kv_caches(kv)

@@ -150,7 +150,8 @@ def test_prompt_served_from_range_tier_after_mp_server_restart(valkey_servers, t
         pytest.skip(reason)
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:  # (the engine runs under this interpreter: Range's .venv, not LMCache's)
+    # (the engine runs under this interpreter: Range's .venv, not LMCache's)
+    if importlib.util.find_spec("vllm") is None:
         pytest.skip(f"vLLM is not installed in {sys.executable}: run this test from Range's .venv (the MP server "
                     "runs in .venv-lmcache)")
     urls = list(valkey_servers.urls)
@@ -186,6 +187,9 @@ def test_prompt_served_from_range_tier_after_mp_server_restart(valkey_servers, t
                 (marks / f"{i}.stored").touch()
             engine.join(timeout=300)
         cold = results["cold"]
+    # No KV segment of a stopped engine is left in /dev/shm (LMCache unlinks it from a finalizer that a killed
+    # engine never runs; the server's stop removes what is left), so that repeated runs do not fill the memory.
+    assert not [p for p in Path("/dev/shm").glob("lmcache_kv_*") if not Path(f"/proc/{p.name.split('_')[2]}").exists()]
     assert not isinstance(cold, BaseException), cold
     assert all(cold[4 * i]["external_hits"] == 0 for i in range(len(prompts)))  # (a fresh deployment)
 

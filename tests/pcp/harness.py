@@ -137,6 +137,7 @@ class SchedulerSide:
     def __init__(self, urls: list[str], chunk_tokens: int, seed: int, *, kind: str = "dense",
                  backend_timeout_s: float = 2.0, **config: Any) -> None:
         tier = TierConfig("valkey", servers=tuple(urls), timeout_s=backend_timeout_s)
+        config.setdefault("save_mode", "sync")  # (as the ranks save: stored when their step returns)
         self.config = RangeConfig(tiers=(tier,), num_shards=len(urls), chunk_tokens=chunk_tokens,
                                   **config).resolve(BLOCK)
         self.backends = [ValkeyBackend(u, timeout_s=backend_timeout_s) for u in urls]

@@ -119,8 +119,9 @@ class _RankEngine:
         self.block_size, self.layers, self.num_blocks = BLOCK, LAYERS, NUM_BLOCKS
         self.plan = ShardPlan(chunk_tokens // BLOCK, num_shards, pcp_size=pcp_size)
         tier = TierConfig("valkey", servers=tuple(urls), timeout_s=backend_timeout_s, retry_s=0.5)
+        # (save_mode "sync": a rank's saves are stored when its step returns, which the protocol's checks read)
         config = RangeConfig(tiers=(tier,), num_shards=num_shards, chunk_tokens=chunk_tokens,
-                             load_deadline_s=load_deadline_s).resolve(BLOCK)
+                             load_deadline_s=load_deadline_s, save_mode="sync").resolve(BLOCK)
         own = [ValkeyBackend(urls[s], timeout_s=backend_timeout_s, capacity_bytes=capacities[s])
                for s in shards_of_rank(rank, pcp_size, num_shards)]
         # The connector's own worker-side router (what RangeConnector runs on a PCP rank), over this rank's servers.

@@ -233,10 +233,14 @@ def make_vllm_config(tier_dir: Path, *, kv_role: str = "kv_both", max_num_batche
                      max_num_seqs: int = 8, prefix_caching: bool = False, **range_config: Any) -> VllmConfig:
     """A ``VllmConfig`` with ``RangeConnector`` on a file tier in ``tier_dir``; ``range_config`` adds or overrides
     keys of ``kv_connector_extra_config``. Every deadline is :data:`WIDE_S` (tests never race a clock).
-    ``prefix_caching``: vLLM's own prefix cache (off by default, so that every hit is the connector's)."""
+    ``prefix_caching``: vLLM's own prefix cache (off by default, so that every hit is the connector's). Saves are
+    ``"sync"`` unless asked otherwise (Range's default is ``"async"``): each step's saves are stored by the end of
+    the step, so that a test's orderings do not depend on when a background write ends; the tests of ``"async"``
+    ask for it."""
     extra = {"tiers": [{"type": "file", "directory": str(tier_dir), "timeout_s": WIDE_S}],
              "runtime_dir": str(tier_dir / "runtime"), "chunk_tokens": CHUNK_TOKENS, "load_deadline_s": WIDE_S,
-             "min_load_deadline_s": WIDE_S, "lookup_wait_s": WIDE_S, "lease_ttl_s": 10 * WIDE_S, **range_config}
+             "min_load_deadline_s": WIDE_S, "lookup_wait_s": WIDE_S, "lease_ttl_s": 10 * WIDE_S, "save_mode": "sync",
+             **range_config}
     return VllmConfig(
         model_config=tiny_model_config(),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

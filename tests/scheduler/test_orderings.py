@@ -19,6 +19,7 @@ from vllm.v1.request import RequestStatus
 import range_connector.scheduler.facade
 from range_connector.metrics import LoadTally
 from range_connector.scheduler.planning import scheduled_progress
+from range_connector.scheduler.saves_in_flight import SavesInFlight
 from range_connector.worker.loads import LoadJob
 from range_connector.worker.saves import StripeSaver
 from tests.scheduler.real_scheduler import WIDE_S, RealEngine, prompt
@@ -149,6 +150,9 @@ def test_abort_while_waiting_for_remote_kvs_catches_the_naive_ordering(engine, m
 
 # ---------------------------------------------------------------------------------------------------- 3
 def _preempt_and_readmit(eng: RealEngine) -> None:
+    # The ordering under test is a re-admission while the request's own store is still in flight: Range's wait for
+    # saves in flight (section 6) would hold R2 back until lookup_wait_s, so it is off here.
+    eng.range.saves_in_flight.wait_s = 0.0
     x = _stored_prefix(eng, 21)
     eng.gate.writes.hold()  # the stores issued from here on stay in flight (vllm#46014)
     eng.add("R1", prompt(46, 23), max_tokens=30)  # a decode that needs a new block soon
@@ -306,3 +310,41 @@ def test_load_failure_reported_after_the_next_step_was_scheduled(engine, overlap
     eng.add("S", r_prompt, max_tokens=1)
     eng.run()  # S loads the stored prefix of R's prompt; attention checks every byte of it
     eng.assert_settled()
+
+
+# ---------------------------------------------------------------------------------------------------- 6
+def _arrive_while_the_prefix_is_written(eng: RealEngine) -> None:
+    x = prompt(STORED_TOKENS, 61)
+    eng.gate.writes.hold()  # A's store stays in flight
+    eng.add("A", x + prompt(4, 62), max_tokens=1)
+    eng.run()
+    eng.gate.writes.wait_parked(1)  # A's store, written on the saver thread, waits at the tier
+    eng.add("B", x + prompt(8, 63), max_tokens=1)
+
+    def b_asked_three_times_or_scheduled() -> bool:
+        b = eng.scheduler.requests.get("B")
+        return b is None or b.status != RequestStatus.WAITING or len(eng.calls("get_num_new_matched_tokens", "B")) >= 3
+
+    eng.run(until=b_asked_three_times_or_scheduled)
+    b = eng.scheduler.requests.get("B")
+    assert b is not None and b.status == RequestStatus.WAITING, "B was scheduled while its prefix was being written"
+    eng.gate.writes.release()
+    assert eng.worker.wait_for_saves(WIDE_S)
+    eng.run()  # the write's report reaches Range's scheduler; B is admitted with its hit
+    [admission] = eng.calls("update_state_after_alloc", "B")
+    assert admission.info["num_external_tokens"] == STORED_TOKENS, "B missed the prefix that was being written"
+    eng.assert_settled()
+
+
+def test_a_request_arriving_while_its_prefix_is_written_waits_and_loads_it(engine) -> None:
+    """With background saves (Range's default), B arrives while A's store of the same prefix is held at the tier.
+    vLLM's scheduler keeps B waiting (Range answers "ask again") while it runs its steps, and admits it with the whole
+    stored prefix once the write ended; attention checks every loaded byte."""
+    _arrive_while_the_prefix_is_written(engine(load_mode="pipelined", save_mode="async"))
+
+
+def test_a_request_arriving_while_its_prefix_is_written_catches_the_naive_ordering(engine, monkeypatch) -> None:
+    # Naive: look up at once, whatever is in flight; B misses the prefix a few steps from being stored.
+    monkeypatch.setattr(SavesInFlight, "should_wait", lambda self, req_id, hashes, first: False)
+    with pytest.raises(AssertionError, match="was scheduled while|missed the prefix"):
+        _arrive_while_the_prefix_is_written(engine(load_mode="pipelined", save_mode="async"))

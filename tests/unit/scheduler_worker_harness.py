@@ -351,6 +351,9 @@ class Engine:
         # This engine has no forward pass for the cost model to measure: its seed estimates would give every load a
         # deadline of min_load_deadline_s, which a busy test machine can overrun. Tests of deadlines set their own.
         config.setdefault("min_load_deadline_s", 5.0)
+        # Saves are written within the step unless a test asks for "async" (Range's default): what a step stored is
+        # then known when it returns, whatever the machine's load.
+        config.setdefault("save_mode", "sync")
         tier = TierConfig("memory", **{new: config.pop(old) for old, new in TIER_KWARGS.items() if old in config})
         self.config = RangeConfig(tiers=tiers or (tier,), num_shards=num_shards, chunk_tokens=chunk_tokens,
                                   **config).resolve(BLOCK)

@@ -49,9 +49,10 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def config(num_shards: int, chunk_tokens: int) -> RangeConfig:
-    # the PCP ranks agree on failures in start_load_kv, before the forward: loads complete there (load_mode "sync")
+    # the PCP ranks agree on failures in start_load_kv, before the forward: loads complete there (load_mode "sync");
+    # what each rank view stored is checked when its save returns (save_mode "sync")
     return RangeConfig(tiers=(TierConfig("memory"),), num_shards=num_shards, chunk_tokens=chunk_tokens,
-                       load_mode="sync").resolve(BLOCK)
+                       load_mode="sync", save_mode="sync").resolve(BLOCK)
 
 
 def save_meta(hashes, block_ids: list[int], bpc: int) -> RangeConnectorMetadata:
