@@ -15,9 +15,9 @@ Configurations:
 * ``range-dram``, ``range-valkey``, ``range-dram+valkey`` (only when asked for): Range on the DRAM tier alone (budget
   ``--dram-bytes``), one embedded Valkey server alone, and DRAM in front of it (docs/tiers.md); the report gives the
   share of prompt tokens each tier served (``served_by_tier_share``).
-* ``range-pipelined``, ``range-async``, ``range-sync``, ``range-auto``, ``range-save-async`` (only when asked for):
-  ``range`` with that ``load_mode``, or with ``save_mode`` ``"async"`` (the step's saves written by a background
-  thread).
+* ``range-pipelined``, ``range-async``, ``range-sync``, ``range-auto``, ``range-save-async``, ``range-save-sync``
+  (only when asked for): ``range`` with that ``load_mode``, or with ``save_mode`` ``"async"`` (the step's saves
+  written by a background thread; the default since 5 December) or ``"sync"`` (written within the step).
 * ``example``: vLLM's built-in ``ExampleConnector`` (stores every prompt's KV as safetensors files under a
   directory of the run; it hits only when a whole prompt, less its last partial block, was seen before).
 * ``lmcache`` (only when asked for): vLLM's ``LMCacheMPConnector`` against an LMCache 0.5.6 multi-process cache
@@ -103,7 +103,7 @@ from range_connector.testing.server_process import ServerError, ServerProcess, c
 CONFIGS = ("none", "range", "example")
 #: Range with a given load mode (``range`` alone: the config default or ``--range-extra``)
 RANGE_VARIANTS = {**{f"range-{mode}": {"load_mode": mode} for mode in ("pipelined", "async", "sync", "auto")},
-                  "range-save-async": {"save_mode": "async"}}
+                  "range-save-async": {"save_mode": "async"}, "range-save-sync": {"save_mode": "sync"}}
 #: Range with a tier hierarchy (docs/tiers.md): the DRAM tier's budget is ``--dram-bytes``
 TIER_VARIANTS = ("range-dram", "range-valkey", "range-dram+valkey")
 #: ``null``: vLLM with a connector that does nothing (range_connector/connector/null.py), so that vLLM's own

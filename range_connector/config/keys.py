@@ -91,12 +91,14 @@ ENGINE_KEYS: tuple[Key, ...] = (
         'How hits are loaded: "pipelined" (in the step, attention of layer l waits for layer l only), "async" (the '
         'request waits while other requests run), "sync" (all before the forward; for comparison only) or "auto" '
         "(the cost model takes, shortens or refuses each hit and picks pipelined or async).", choices=LOAD_MODES),
-    Key("save_mode", "choice", "-", "sync", '"sync"',
-        '"sync": a step\'s new chunks are written to the tier before the step ends (bounded by the tier\'s '
-        'timeout_s). "async": the step copies them out of the KV cache and a background thread writes them, so '
-        "writing does not slow the engine's steps; a request that arrives while its prefix is being written is asked "
-        "again at the next steps until the write ended (at most lookup_wait_s), so it does not miss it. A prefill "
-        "engine (kv_producer) always saves synchronously: its answer promises stored KV.", choices=SAVE_MODES),
+    Key("save_mode", "choice", "-", "async", '"async"',
+        '"async": the step copies its new chunks out of the KV cache and a background thread writes them, so writing '
+        "does not slow the engine's steps; a request that arrives while its prefix is being written is asked again at "
+        "the next steps until the write ended (at most lookup_wait_s), so it does not miss it. \"sync\": they are "
+        "written before the step ends (bounded by the tier's timeout_s). The saves of a request that asked for a "
+        "hand-off (do_remote_decode) are written in the step whatever the mode, and a prefill engine (kv_producer) "
+        "always saves synchronously: an announcement promises stored KV. Chosen by measurement (docs/benchmarks.md: "
+        "lower TTFT and TPOT than \"sync\" at p50 and p99 in paired replays).", choices=SAVE_MODES),
     Key("save_backlog_bytes", "int", "bytes", 256 << 20, "268435456",
         'With save_mode "async": bytes copied out and not yet written, at most; saves past it are skipped (a future '
         "miss, counted), except that an empty backlog takes any one step's save. In a tier hierarchy the same bound "

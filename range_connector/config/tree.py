@@ -180,7 +180,7 @@ class RangeConfig:
     chunk_tokens: int | None = None
     runtime_dir: str | None = None
     load_mode: str = "pipelined"
-    save_mode: str = "sync"
+    save_mode: str = "async"
     save_backlog_bytes: int = 256 << 20
     load_deadline_s: float = 30.0
     min_load_deadline_s: float = 0.25

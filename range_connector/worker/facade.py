@@ -419,9 +419,9 @@ class RangeWorker:
             self.saver.report([(r.req_id, c.chunk_idx) for r in meta.saves if r.confirm for c in r.chunks], False,
                               [c.chunk_hash for r in meta.saves for c in r.chunks])
             return
-        #: the tiers a save goes to (``None``: all) -> ((chunk_hash, block ids of the whole chunk), who waits for
-        #: each chunk's outcome)
-        by_tiers: dict[tuple[int, ...] | None, tuple[list, list[tuple[str, int] | None]]] = {}
+        #: (the tiers a save goes to (``None``: all), confirmed) -> ((chunk_hash, block ids of the whole chunk), who
+        #: waits for each chunk's outcome); confirmed saves apart, as the saver writes them in the step
+        by_tiers: dict[tuple[tuple[int, ...] | None, bool], tuple[list, list[tuple[str, int] | None]]] = {}
         dropped: list[tuple[str, int] | None] = []
         dropped_hashes: list[ChunkHash] = []
         # Blocks whose load failed in a step the scheduler had not heard of when it planned these saves: KV computed
@@ -436,7 +436,7 @@ class RangeWorker:
                 failed_from = -1
             for c in req.chunks:
                 owner = (req.req_id, c.chunk_idx) if req.confirm else None
-                target = by_tiers.setdefault(req.tiers, ([], []))
+                target = by_tiers.setdefault((req.tiers, req.confirm), ([], []))
                 if bad_blocks and failed_from is None and not bad_blocks.isdisjoint(c.block_ids):
                     failed_from = c.chunk_idx
                 if failed_from is not None and c.chunk_idx >= failed_from:
@@ -447,7 +447,7 @@ class RangeWorker:
                 target[0].append((c.chunk_hash, c.block_ids))
                 target[1].append(owner)
         self.saver.report(dropped, False, dropped_hashes)
-        for tiers, (chunks, owners) in by_tiers.items():  # (a promotion writes the DRAM tier only: its own stripes)
+        for (tiers, _confirm), (chunks, owners) in by_tiers.items():  # (a promotion writes the DRAM tier only)
             if chunks:
                 self.saver.save(chunks, self.load_context, owners, tiers=tiers)
 

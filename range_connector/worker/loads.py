@@ -120,6 +120,12 @@ class LoadJob:
         self.done: list[tuple[ChunkHash, list[int], list[int]]] = []  # filled by finish()
 
     @property
+    def deadline_at_start_s(self) -> float:
+        """``time.monotonic()`` the job was given as its deadline when it started (:attr:`deadline` moves on from it
+        while the forward of a layer-pipelined job computes)."""
+        return self._deadline_at_start_s
+
+    @property
     def deadline(self) -> float:
         """``time.monotonic()`` after which nothing more is waited for (those chunks fail).
 

@@ -5,7 +5,8 @@ The chunks are gathered out of the KV cache in the step (vLLM may reuse the bloc
 owns, so preemption and block reuse cannot mix foreign KV into a stripe. With ``save_mode`` ``"sync"`` they are
 written before :meth:`StripeSaver.save` returns; with ``"async"`` one background thread writes them (at most
 ``save_backlog_bytes`` gathered and unwritten; past it the save is skipped, but an empty backlog takes any one step's
-save, so that a step larger than the bound is still saved). A failed or skipped write is counted,
+save, so that a step larger than the bound is still saved), except a save with a chunk somebody waits for (a
+hand-off's), written in the step. A failed or skipped write is counted,
 never raised: a lost save is only a future miss. After a shard's write fails, saves to it are skipped for the tier's
 ``retry_s``. Each stripe write that returned is timed, by tier (histogram ``save_seconds``,
 :mod:`range_connector.histograms`).
@@ -167,7 +168,8 @@ class StripeSaver:
         Args:
             owners: ``[len(chunks)]`` who waits for each chunk's outcome (``(req_id, chunk_idx)``), or empty: the
                 outcome of each owned chunk is reported through :meth:`take_results` once its write ended, or at
-                once when the save is skipped.
+                once when the save is skipped. A save with an owned chunk is written before this returns, whatever
+                ``save_mode``.
             tiers: in a tier hierarchy, the tiers to write (``None``: all; ``StripeWrite.tiers``).
         """
         owners = list(owners) or [None] * len(chunks)
@@ -194,7 +196,9 @@ class StripeSaver:
                 stripes.append((s, backend, stripe_chunks, self._gather_stripe(s, stripe_chunks, context),
                                 backend.epoch_hint, tiers))
         hashes = [h for h, _ in chunks]
-        if self.config.save_mode != "async":
+        if self.config.save_mode != "async" or any(o is not None for o in owners):
+            # (a save that somebody waits for, a hand-off's, is written in the step even with "async": its request's
+            # announcement, serialized as the request ends, names only what is stored by then)
             self._write_stripes(stripes, hashes, owners, 0, context, self.generation)
             return
         nbytes = sum(v.numel() * v.element_size() for *_rest, values, _epoch, _tiers in stripes for v in values)

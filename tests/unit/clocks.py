@@ -105,9 +105,10 @@ def instant_probes(monkeypatch: Any, probe_s: float = 1e-4) -> None:
 
 def record_load_jobs(monkeypatch: Any) -> list[tuple[Any, float]]:
     """Every ``LoadJob`` the worker starts from now on, with ``time.monotonic()`` read as it starts: its deadline was
-    set just before, from a reading taken after any the test took before the step, so for a load given ``d``
-    seconds ``before + d <= job.deadline <= started + d`` holds however busy the machine (what the worker decided,
-    checked without timing anything)."""
+    set just before, from a reading taken after any the test took before the step, so for a load given ``d`` seconds
+    ``before + d <= job.deadline_at_start_s <= started + d`` holds however busy the machine (what the worker
+    decided, checked without timing anything; ``job.deadline`` itself moves on while a pipelined job's forward
+    computes)."""
     from range_connector.worker.loads import LoadJob
 
     jobs: list[tuple[Any, float]] = []

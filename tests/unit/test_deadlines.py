@@ -80,7 +80,7 @@ def test_load_past_its_deadline_is_reported_failed_and_returns_in_time(mode: str
     # The step's load (both requests) was given load_deadline_s and gave up there by itself, the tier not having
     # answered; no shard was asked twice.
     [(job, started)] = jobs
-    assert before + deadline_s <= job.deadline <= started + deadline_s and job.deadline_missed
+    assert before + deadline_s <= job.deadline_at_start_s <= started + deadline_s and job.deadline_missed
     expected = set(b.running["B-0"].block_ids[:8]) | set(b.running["B-1"].block_ids[:6])
     assert res.invalid_block_ids == expected
     assert changed_blocks(res.before, res.after_load) == set()

@@ -257,44 +257,40 @@ def test_num_saving_ranks_below_one_is_refused() -> None:
 
 
 class _GatedBackend(FlakyBackend):
-    """Writes wait until :attr:`gate` opens (at most 30 s: a test that forgets it fails rather than hangs)."""
+    """Writes from the saver's background thread wait until :attr:`gate` opens (at most 30 s: a test that forgets it
+    fails rather than hangs); writes made in the step pass."""
 
     def __init__(self, inner) -> None:
         super().__init__(inner, name="gated")
         self.gate = threading.Event()
 
     def write_stripe(self, write):
-        self.gate.wait(30.0)
+        if threading.current_thread().name.startswith("range-save"):
+            self.gate.wait(30.0)
         return super().write_stripe(write)
 
 
 @pytest.mark.timeout(60)
-def test_asynchronous_saves_are_announced_once_written_and_never_before() -> None:
-    # An engine that saves in the background (kv_both, save_mode "async") and answers a hand-off: a request that
-    # ends while its write is still running announces none of it; one that ends after the write was reported
-    # announces all of it.
-    prompt = prompt_tokens(150, seed=101)
+def test_an_engine_that_saves_in_the_background_writes_a_hand_offs_saves_in_the_step() -> None:
+    # A kv_both engine with save_mode "async" (the default): an ordinary request's save goes to the background (the
+    # step returns while the write waits at the gate), but a request that asked for a hand-off has its saves written
+    # in its step, so that its announcement, serialized as the request ends, names the whole prompt.
     gated = _GatedBackend(shard_backends(1, 1)[0])
     eng = Engine([gated], seed=102, save_mode="async")
-    res = _prefill(eng, _pd_request("early", prompt, {"do_remote_decode": True}))
-    assert res.worker_meta is None or not res.worker_meta.save_results  # still writing
-    assert _announcement(res, "early")["num_tokens"] == 0
+    res = _prefill(eng, FakeRequest("plain", prompt_tokens(150, seed=101)))
+    assert eng.worker.saver.backlog_bytes > 0  # the step returned with its write still waiting at the closed gate
+    assert res.worker_meta is None or not res.worker_meta.saved
     gated.gate.set()
-    assert eng.worker.wait_for_saves(30.0)
-    late = eng.step(forward=False)  # the write's outcome comes after the request ended: it changes nothing
-    assert late.worker_meta is not None and len(late.worker_meta.save_results) == 4  # (kv_both: no partial tail)
-    assert res.finished_params["early"]["range"]["num_tokens"] == 0 and eng.sched.handoff.num_followed == 0
+    assert eng.worker.wait_for_saves(30.0) and eng.worker.saver.backlog_bytes == 0
 
-    gated.gate.clear()
-    other = prompt_tokens(150, seed=103)
-    req = _pd_request("late", other, {"do_remote_decode": True})
-    assert eng.admit(req) == 0
-    eng.step()  # the prompt is computed; its save waits at the gate
+    gated.gate.clear()  # (a background write would now wait: the hand-off's must not be one)
+    res = _prefill(eng, _pd_request("handoff", prompt_tokens(150, seed=103), {"do_remote_decode": True}))
+    assert eng.worker.saver.backlog_bytes == 0
+    assert res.worker_meta is not None and len(res.worker_meta.save_results) == 4  # (kv_both: no partial tail)
+    assert all(stored for _req, _chunk, stored in res.worker_meta.save_results)
+    assert _announcement(res, "handoff")["num_tokens"] == 128
+    assert eng.sched.handoff.num_followed == 0
     gated.gate.set()
-    assert eng.worker.wait_for_saves(30.0)
-    eng.continue_("late")  # the decode step that stops it reports the write
-    res = eng.step(finish_in_step=["late"])
-    assert _announcement(res, "late")["num_tokens"] == 128
     eng.close()
 
 

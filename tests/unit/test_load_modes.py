@@ -240,7 +240,7 @@ def test_case_C21_frozen_tier_gives_up_at_the_deadline_and_the_prompt_is_recompu
         res = b.step(forward=False)
     # The load was given load_deadline_s from its start, and gave up there by itself: the tier never answered it.
     [(job, started)] = jobs
-    assert before + deadline_s <= job.deadline <= started + deadline_s
+    assert before + deadline_s <= job.deadline_at_start_s <= started + deadline_s
     assert res.invalid_block_ids == set(dst[:8])
     assert b.worker.stats["load_deadline_misses"] >= 1
     if mode == "async":
@@ -293,7 +293,7 @@ def test_a_slow_tier_holds_a_load_no_longer_than_recomputing_would_take(mode: st
     res = _run_until_loaded(b, "B-0") if mode == "async" else b.step(forward=False)
     # The worker gave the load job the plan's deadline, counted from the load's start (not load_deadline_s) ...
     [(job, started)] = jobs
-    assert before + planned.deadline_s <= job.deadline <= started + planned.deadline_s
+    assert before + planned.deadline_s <= job.deadline_at_start_s <= started + planned.deadline_s
     # ... and the job gave up there by itself: every block failed, counted as a deadline miss, the tier still held.
     assert res.invalid_block_ids == set(dst[:8])
     assert b.worker.stats["load_deadline_misses"] >= 1

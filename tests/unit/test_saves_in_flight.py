@@ -151,13 +151,18 @@ def test_a_request_arriving_while_its_prefix_is_written_waits_for_the_write_and_
         eng.close()
 
 
-@pytest.mark.timeout(60)
-def test_a_failed_background_save_ends_the_wait_at_the_next_report() -> None:
-    prompt = prompt_tokens(150, seed=303)
+def _engine_whose_writes_fail(seed: int, save_mode: str) -> Engine:
+    """An engine on one shard whose every write raises (its lookups see the shard itself)."""
     inner = shard_backends(1, 1)
     [flaky] = wrap(inner)
     flaky.fail_write = BackendError
-    eng = Engine([flaky], lookup_backends=inner, seed=304, save_mode="async")
+    return Engine([flaky], lookup_backends=inner, seed=seed, save_mode=save_mode)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_background_save_ends_the_wait_at_the_next_report() -> None:
+    prompt = prompt_tokens(150, seed=303)
+    eng = _engine_whose_writes_fail(304, "async")
     assert eng.admit(FakeRequest("A-0", prompt)) == 0
     first = eng.step()
     eng.finish("A-0")
@@ -175,10 +180,7 @@ def test_a_failed_background_save_ends_the_wait_at_the_next_report() -> None:
 @pytest.mark.timeout(60)
 def test_sync_saves_keep_no_record_and_report_no_unsaved_chunks() -> None:
     prompt = prompt_tokens(150, seed=305)
-    inner = shard_backends(1, 1)
-    [flaky] = wrap(inner)
-    flaky.fail_write = BackendError
-    eng = Engine([flaky], lookup_backends=inner, seed=306, save_mode="sync")
+    eng = _engine_whose_writes_fail(306, "sync")
     assert eng.sched.saves_in_flight is None
     assert eng.admit(FakeRequest("A-0", prompt)) == 0
     res = eng.step()
